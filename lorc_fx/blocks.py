@@ -1,0 +1,107 @@
+"""What the graph analysis knows about one attention block.
+
+These records are the only thing the rank plan, the latent cache and the graph rewrite read
+about a model's attention: no module class names, no per-family code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Rows ``[start, stop)`` of a weight in nn.Linear layout ``(out, in)``.
+
+    ``transposed`` marks weights stored ``(in, out)`` (GPT-2 ``Conv1D`` / ``addmm``): the row
+    range then indexes the weight's columns.
+    """
+
+    weight: str
+    start: int
+    stop: int
+    bias: str | None = None
+    transposed: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+    def weight_tensor(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        w = params[self.weight]
+        w = w.t() if self.transposed else w
+        return w[self.start:self.stop]
+
+    def bias_tensor(self, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        return params[self.bias][self.start:self.stop]
+
+
+@dataclass(frozen=True)
+class RopeLayout:
+    """How rotary embedding pairs the dims of one head.
+
+    ``style``: ``"none"``, ``"half"`` (pairs ``(t, t + rotary_dim/2)``, rotate_half) or
+    ``"interleaved"`` (pairs ``(2t, 2t+1)``). The first ``rotary_dim`` dims of a head rotate;
+    the rest pass through (partial rotary).
+    """
+
+    style: str = "none"
+    rotary_dim: int = 0
+
+    def __post_init__(self):
+        if self.style not in ("none", "half", "interleaved"):
+            raise ValueError(f"unknown RoPE style {self.style!r}")
+        if self.style == "none" and self.rotary_dim:
+            raise ValueError("RoPE style 'none' cannot rotate any dims")
+        if self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Index pairs ``(re, im)`` within a head, one per rotary frequency."""
+        half = self.rotary_dim // 2
+        if self.style == "half":
+            return [(t, t + half) for t in range(half)]
+        if self.style == "interleaved":
+            return [(2 * t, 2 * t + 1) for t in range(half)]
+        return []
+
+
+NO_ROPE = RopeLayout()
+
+
+@dataclass
+class AttentionBlock:
+    """One attention block found in a captured graph, in execution order."""
+
+    layer: int
+    q: Projection | None
+    k: Projection | None
+    v: Projection | None
+    o: Projection | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_q: RopeLayout = NO_ROPE
+    rope_k: RopeLayout = NO_ROPE
+    scale: float | None = None
+    k_path: str = "none"  # between K projection and cache: none | rope | norm | other
+    v_path: str = "none"
+    attention_op: str = "sdpa"  # sdpa | sdpa_gqa | manual
+    supported: bool = True
+    reason: str = ""
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def named_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters(remove_duplicate=False))

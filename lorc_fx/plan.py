@@ -1,0 +1,181 @@
+"""The LoRC rank plan: per-layer bases and ranks for a requested cache fraction.
+
+``plan_layers`` is a pure function of the layers' K/V weights, head and RoPE layout, the
+options and (optionally) the second moment of the projections' input; ``plan`` gathers those
+from a model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, asdict
+
+import torch
+
+from .bases import BASES
+from .blocks import RopeLayout
+from .schedules import SCHEDULES, ScheduleInput
+from .spectra import Spectrum, condition_number, real_spectrum, rope_commuting_spectrum
+
+ROPE_MODES = ("commute", "reconstruct")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    cache_fraction: float = 0.6
+    schedule: str = "progressive"
+    rope: str = "commute"
+    basis: str = "weight"
+    skip_threshold: float | None = None  # layers with cumulative κ̃ above it stay full
+    keep_first: int = 0  # the first N layers stay full
+    rank_multiple: int = 8
+
+    def __post_init__(self):
+        f = self.cache_fraction
+        if not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"cache_fraction must be in (0, 1], got {f!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {sorted(SCHEDULES)}")
+        if self.basis not in BASES:
+            raise ValueError(f"unknown basis {self.basis!r}; choose from {sorted(BASES)}")
+        if self.rope not in ROPE_MODES:
+            raise ValueError(f"unknown rope mode {self.rope!r}; choose from {list(ROPE_MODES)}")
+        if self.skip_threshold is not None and not self.skip_threshold >= 0:
+            raise ValueError(f"skip_threshold must be a non-negative number, got {self.skip_threshold!r}")
+        if self.keep_first < 0:
+            raise ValueError(f"keep_first must be >= 0, got {self.keep_first}")
+        if self.rank_multiple < 1:
+            raise ValueError(f"rank_multiple must be >= 1, got {self.rank_multiple}")
+
+
+@dataclass
+class LayerInput:
+    """What the plan needs to know about one attention layer."""
+
+    layer: int
+    k_weight: torch.Tensor  # (num_kv_heads * head_dim, D), nn.Linear layout
+    v_weight: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeLayout
+    compress_k: bool = True
+    compress_v: bool = True
+    note: str = ""  # why something stays full
+    input_gram: torch.Tensor | None = None  # E[x xᵀ] of the K/V projection input
+
+
+@dataclass
+class LayerPlan:
+    layer: int
+    k_full: int
+    v_full: int
+    k_rank: int
+    v_rank: int
+    skipped: bool
+    kappa_k: float
+    kappa_v: float
+    log_kappa_cum: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeLayout
+    k_latent_of: str  # "post_rope" keys (commute / no RoPE) or "pre_rope" keys (reconstruct)
+    k_basis: torch.Tensor = field(repr=False)  # (k_rank, k_full) orthonormal rows, float64
+    v_basis: torch.Tensor = field(repr=False)
+    k_energy_kept: float = 1.0  # share of the spectrum's energy the basis keeps
+    v_energy_kept: float = 1.0
+    note: str = ""
+
+    @property
+    def compressed(self) -> bool:
+        return self.k_rank < self.k_full or self.v_rank < self.v_full
+
+    def summary(self) -> dict:
+        keys = ("layer", "k_rank", "v_rank", "k_full", "v_full", "skipped", "kappa_k",
+                "kappa_v", "log_kappa_cum", "k_latent_of", "k_energy_kept", "v_energy_kept",
+                "note")
+        out = {k: getattr(self, k) for k in keys}
+        out["rope"] = asdict(self.rope)
+        return out
+
+
+@dataclass
+class Plan:
+    layers: list[LayerPlan]
+    options: PlanOptions
+    reachable: tuple[float, float]
+
+    @property
+    def cache_fraction(self) -> float:
+        kept = sum(l.k_rank + l.v_rank for l in self.layers)
+        return kept / sum(l.k_full + l.v_full for l in self.layers)
+
+    def cache_elements_per_token(self) -> tuple[int, int]:
+        """(full, compressed) K+V elements the cache holds per token, all layers."""
+        full = sum(l.k_full + l.v_full for l in self.layers)
+        return full, sum(l.k_rank + l.v_rank for l in self.layers)
+
+    def to_json(self) -> dict:
+        return {
+            "cache_fraction": self.cache_fraction,
+            "requested_fraction": self.options.cache_fraction,
+            "reachable": list(self.reachable),
+            "options": asdict(self.options),
+            "layers": [l.summary() for l in self.layers],
+        }
+
+
+def _energy_kept(spectrum: Spectrum, rank: int) -> float:
+    total = float(spectrum.energy.sum())
+    return 1.0 - spectrum.dropped_energy(rank) / total if total > 0 else 1.0
+
+
+def _key_spectrum(layer: LayerInput, rope_mode: str) -> Spectrum:
+    if layer.rope.style != "none" and rope_mode == "commute":
+        return rope_commuting_spectrum(layer.k_weight, layer.num_kv_heads, layer.head_dim,
+                                       layer.rope, layer.input_gram)
+    return real_spectrum(layer.k_weight, layer.input_gram)
+
+
+def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[float]:
+    """log κ̃_l = Σ_{j ≥ l} log κ(W_k^j) + log κ(W_v^j), in log space so it cannot overflow."""
+    logs = [math.log(k) + math.log(v) for k, v in zip(kappa_k, kappa_v)]
+    out, acc = [], 0.0
+    for value in reversed(logs):
+        acc += value
+        out.append(acc)
+    return out[::-1]
+
+
+def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
+    """Bases and ranks for every layer (pure; deterministic)."""
+    kappa_k = [condition_number(l.k_weight) for l in layers]
+    kappa_v = [condition_number(l.v_weight) for l in layers]
+    log_cum = cumulative_log_kappa(kappa_k, kappa_v)
+    skipped = [
+        i < options.keep_first
+        or (options.skip_threshold is not None and lk > math.log(max(options.skip_threshold, 1e-300)))
+        for i, lk in enumerate(log_cum)
+    ]
+    k_spectra = [_key_spectrum(l, options.rope) for l in layers]
+    v_spectra = [real_spectrum(l.v_weight, l.input_gram) for l in layers]
+    inp = ScheduleInput(
+        k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum,
+        compress_k=[l.compress_k and not s for l, s in zip(layers, skipped)],
+        compress_v=[l.compress_v and not s for l, s in zip(layers, skipped)],
+        cache_fraction=options.cache_fraction, rank_multiple=options.rank_multiple)
+    allocation = SCHEDULES[options.schedule](inp)
+
+    plans = []
+    for l, ks, vs, (kr, vr), s, kk, kv, lk in zip(layers, k_spectra, v_spectra, allocation.ranks, skipped,
+                                                  kappa_k, kappa_v, log_cum):
+        rotated = l.rope.style != "none"
+        plans.append(LayerPlan(
+            layer=l.layer, k_full=ks.width, v_full=vs.width, k_rank=kr, v_rank=vr, skipped=s,
+            kappa_k=kk, kappa_v=kv, log_kappa_cum=lk, num_heads=l.num_heads,
+            num_kv_heads=l.num_kv_heads, head_dim=l.head_dim, rope=l.rope,
+            k_latent_of="pre_rope" if rotated and options.rope == "reconstruct" else "post_rope",
+            k_basis=ks.basis(kr), v_basis=vs.basis(vr),
+            k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),
+            note=l.note))
+    return Plan(plans, options, (allocation.lowest_fraction, 1.0))

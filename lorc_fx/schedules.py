@@ -1,0 +1,122 @@
+"""Rank schedules: how many latent dims each layer keeps for a requested cache fraction.
+
+A schedule sees only spectra and the layers' cumulative condition numbers; it returns
+``(k_rank, v_rank)`` per layer. The ratio schedules (the paper's progressive formula and the
+uniform baseline) share one solver: a single knob moves every layer's kept ratio
+monotonically, and bisection on it meets the requested fraction within one rank step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .spectra import Spectrum
+
+
+class UnreachableFraction(ValueError):
+    """The requested cache fraction is outside what a schedule can produce."""
+
+
+@dataclass(frozen=True)
+class ScheduleInput:
+    k_spectra: list[Spectrum]
+    v_spectra: list[Spectrum]
+    log_kappa_cum: list[float]
+    compress_k: list[bool]  # False: that layer's keys stay full width
+    compress_v: list[bool]
+    cache_fraction: float
+    rank_multiple: int
+
+    @property
+    def full_width(self) -> int:
+        return sum(k.width + v.width for k, v in zip(self.k_spectra, self.v_spectra))
+
+    def fraction(self, ranks: list[tuple[int, int]]) -> float:
+        return sum(k + v for k, v in ranks) / self.full_width
+
+
+Ranks = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    ranks: Ranks
+    lowest_fraction: float  # the least cache fraction this schedule reaches on these layers
+
+
+Schedule = Callable[[ScheduleInput], Allocation]
+
+
+def snap_rank(spectrum: Spectrum, target: float, multiple: int) -> int:
+    """The valid rank nearest ``target`` that is a multiple of ``multiple`` (or full width)."""
+    candidates = [r for r in spectrum.valid_ranks if r % multiple == 0 or r == spectrum.width]
+    return min(candidates, key=lambda r: (abs(r - target), -r))
+
+
+def _ranks_at(inp: ScheduleInput, ratios: list[float]) -> Ranks:
+    ranks = []
+    for ks, vs, ck, cv, ratio in zip(inp.k_spectra, inp.v_spectra, inp.compress_k,
+                                     inp.compress_v, ratios):
+        k = snap_rank(ks, ratio * ks.width, inp.rank_multiple) if ck else ks.width
+        v = snap_rank(vs, ratio * vs.width, inp.rank_multiple) if cv else vs.width
+        ranks.append((k, v))
+    return ranks
+
+
+def solve_ratio_schedule(inp: ScheduleInput, ratios_at: Callable[[float], list[float]],
+                         name: str) -> Allocation:
+    """Bisect the knob ``m`` in [0, 1] (fraction non-decreasing in ``m``) to meet the target."""
+    lowest = inp.fraction(_ranks_at(inp, ratios_at(0.0)))
+    step = inp.rank_multiple / inp.full_width
+    if inp.cache_fraction < lowest - step:
+        raise UnreachableFraction(
+            f"cache fraction {inp.cache_fraction:.3f} is out of reach of the {name} schedule "
+            f"on this model: it reaches [{lowest:.3f}, 1.000] with the skipped layers kept; "
+            "ask for a fraction in that range, or use another schedule")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if inp.fraction(_ranks_at(inp, ratios_at(mid))) < inp.cache_fraction:
+            lo = mid
+        else:
+            hi = mid
+    return Allocation(_blend(inp, _ranks_at(inp, ratios_at(lo)), _ranks_at(inp, ratios_at(hi))),
+                      lowest)
+
+
+def _blend(inp: ScheduleInput, below: Ranks, above: Ranks) -> Ranks:
+    """Step projections one at a time, shallow first, from ``below`` up to ``above`` while
+    that brings the fraction closer to the target: the knob moves many projections at once,
+    so on its own it lands only within one step of every projection it moves."""
+    flat = [r for pair in below for r in pair]
+    targets = [r for pair in above for r in pair]
+    total = inp.full_width
+    miss = lambda kept: abs(kept / total - inp.cache_fraction)
+    kept = sum(flat)
+    for i, up in enumerate(targets):
+        if up != flat[i] and miss(kept - flat[i] + up) <= miss(kept):
+            kept += up - flat[i]
+            flat[i] = up
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+def progressive(inp: ScheduleInput) -> Allocation:
+    """The paper's formula: kept ratio falls linearly in log κ̃ from 1 down to ``d_min/d_max``.
+
+    ``min``/``max`` of log κ̃ are taken over the layers being compressed, so the most
+    sensitive compressed layer keeps its full width and the least sensitive keeps ``d_min``.
+    """
+    active = [lk for lk, ck, cv in zip(inp.log_kappa_cum, inp.compress_k, inp.compress_v)
+              if ck or cv]
+    top, bottom = (max(active), min(active)) if active else (0.0, 0.0)
+    span = top - bottom
+    fall = [(top - lk) / span if span > 0 else 0.0 for lk in inp.log_kappa_cum]
+    return solve_ratio_schedule(inp, lambda m: [1 - f * (1 - m) for f in fall], "progressive")
+
+
+def uniform(inp: ScheduleInput) -> Allocation:
+    """The paper's baseline: every compressed layer keeps the same ratio."""
+    return solve_ratio_schedule(inp, lambda m: [m] * len(inp.k_spectra), "uniform")
+
+
+SCHEDULES: dict[str, Schedule] = {"progressive": progressive, "uniform": uniform}
