@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, LookupError) as err:
+    except (ValueError, FileNotFoundError, LookupError, RuntimeError) as err:
         print(f"lorc: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -84,6 +84,8 @@ class LayerPlan:
     v_basis: torch.Tensor = field(repr=False)
     k_energy_kept: float = 1.0  # share of the spectrum's energy the basis keeps
     v_energy_kept: float = 1.0
+    k_compressible: bool = True  # False: keys stay raw (e.g. a norm between projection and cache)
+    v_compressible: bool = True
     note: str = ""
 
     @property
@@ -177,5 +179,5 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
             k_latent_of="pre_rope" if rotated and options.rope == "reconstruct" else "post_rope",
             k_basis=ks.basis(kr), v_basis=vs.basis(vr),
             k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),
-            note=l.note))
+            k_compressible=l.compress_k, v_compressible=l.compress_v, note=l.note))
     return Plan(plans, options, (allocation.lowest_fraction, 1.0))

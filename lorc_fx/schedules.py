@@ -105,12 +105,14 @@ def progressive(inp: ScheduleInput) -> Allocation:
 
     ``min``/``max`` of log κ̃ are taken over the layers being compressed, so the most
     sensitive compressed layer keeps its full width and the least sensitive keeps ``d_min``.
+    Where all compressed layers are equally sensitive (one layer, say) the formula is 0/0;
+    they are then all least sensitive, which makes it the uniform schedule.
     """
     active = [lk for lk, ck, cv in zip(inp.log_kappa_cum, inp.compress_k, inp.compress_v)
               if ck or cv]
     top, bottom = (max(active), min(active)) if active else (0.0, 0.0)
     span = top - bottom
-    fall = [(top - lk) / span if span > 0 else 0.0 for lk in inp.log_kappa_cum]
+    fall = [(top - lk) / span if span > 0 else 1.0 for lk in inp.log_kappa_cum]
     return solve_ratio_schedule(inp, lambda m: [1 - f * (1 - m) for f in fall], "progressive")
 
 

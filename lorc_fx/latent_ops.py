@@ -1,0 +1,54 @@
+"""The two custom ops the latent cache is made of.
+
+``lorc::project`` turns keys/values ``(b, h_kv, s, d)`` into a latent ``(b, 1, s, r)``;
+``lorc::reconstruct`` turns a latent back into ``(b, h_kv, n, d)``. As ops they reach the
+dynamo graph as single nodes whose arguments are the latent and its basis, so the backend
+finds attention over a latent by data flow, not by pattern-matching matmul chains. The
+``*_math`` functions are the same maths in plain torch ops: the backend swaps them in for
+whatever ops it does not rewrite away, so Inductor can fuse them.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def project_math(states: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = states.shape
+    flat = states.transpose(1, 2).reshape(b, s, h * d)
+    return (flat @ basis.t()).unsqueeze(1)
+
+
+def reconstruct_math(latent: torch.Tensor, basis: torch.Tensor, num_heads: int) -> torch.Tensor:
+    b, _, n, _ = latent.shape
+    full = latent.squeeze(1) @ basis
+    return full.view(b, n, num_heads, -1).transpose(1, 2)
+
+
+@torch.library.custom_op("lorc::project", mutates_args=())
+def project(states: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``(b, h_kv, s, d)`` and ``basis (r, h_kv*d)`` → latent ``(b, 1, s, r)``."""
+    return project_math(states, basis).contiguous()
+
+
+@project.register_fake
+def _(states, basis):
+    b, _, s, _ = states.shape
+    return states.new_empty(b, 1, s, basis.shape[0])
+
+
+@torch.library.custom_op("lorc::reconstruct", mutates_args=())
+def reconstruct(latent: torch.Tensor, basis: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Latent ``(b, 1, n, r)`` and ``basis (r, h_kv*d)`` → ``(b, h_kv, n, d)``."""
+    return reconstruct_math(latent, basis, num_heads).contiguous()
+
+
+@reconstruct.register_fake
+def _(latent, basis, num_heads):
+    b, _, n, _ = latent.shape
+    return latent.new_empty(b, num_heads, n, basis.shape[1] // num_heads)
+
+
+LOWERINGS = {
+    torch.ops.lorc.project.default: project_math,
+    torch.ops.lorc.reconstruct.default: reconstruct_math,
+}
