@@ -3,30 +3,82 @@
 ``update()`` stores ``P·k`` and ``P·v`` and returns their reconstructions ``Pᵀ·c``, so a
 model's own attention code runs unchanged in eager mode and Python keeps owning the
 cache's shapes (DESIGN.md). The compiled path rewrites the reconstruction away.
+
+Keys of a ``reconstruct``-mode layer are cached before RoPE (the paper's joint basis): the
+layer turns the incoming post-RoPE keys back, and rotates the rebuilt keys again at every
+step with the angles of their own positions, kept once per cache in a :class:`RotaryLog`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from .latent_ops import project, reconstruct
+from .rotary import rotate
+
+
+class RotaryLog:
+    """``cos``/``sin`` of every cached token, shared by a cache's pre-RoPE layers.
+
+    The attention modules hand the angles of the incoming tokens to ``pending`` (a forward
+    pre-hook set up by ``compress``); the first pre-RoPE layer to update appends them.
+    """
+
+    def __init__(self, style: str, max_cache_len: int | None = None):
+        self.style, self.max_cache_len = style, max_cache_len
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.cos = self.sin = None
+
+    def incoming(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pending is None:
+            raise RuntimeError(
+                "rope='reconstruct' needs the RoPE angles of each step: the attention module "
+                "did not receive `position_embeddings=(cos, sin)`; use rope='commute'")
+        return self.pending
+
+    def append(self, positions: torch.Tensor | None) -> None:
+        cos, sin = self.incoming()
+        if self.cos is None:
+            if self.max_cache_len is None:
+                self.cos, self.sin = cos[:, :0], sin[:, :0]
+            else:
+                shape = (cos.shape[0], self.max_cache_len, cos.shape[-1])
+                self.cos, self.sin = cos.new_zeros(shape), sin.new_zeros(shape)
+        if positions is None:
+            self.cos = torch.cat([self.cos, cos], dim=1)
+            self.sin = torch.cat([self.sin, sin], dim=1)
+        else:
+            self.cos.index_copy_(1, positions, cos)
+            self.sin.index_copy_(1, positions, sin)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.cos, self.sin) if t is not None]
 
 
 @dataclass
 class LayerBases:
-    """One layer's bases, ``(r, h_kv*d)`` each; ``None`` keeps that side full width."""
+    """One layer's bases, ``(r, h_kv*d)`` each; ``None`` keeps that side full width.
+
+    ``rope_style`` is set for keys cached before RoPE (``reconstruct`` mode); the cache then
+    hands the layer its shared ``rotary`` log.
+    """
 
     k_basis: torch.Tensor | None
     v_basis: torch.Tensor | None
     num_kv_heads: int
+    rope_style: str | None = None
+    rotary: RotaryLog | None = None
 
     def to(self, like: torch.Tensor) -> "LayerBases":
         cast = lambda b: None if b is None else b.to(device=like.device, dtype=like.dtype)
-        return LayerBases(cast(self.k_basis), cast(self.v_basis), self.num_kv_heads)
+        return replace(self, k_basis=cast(self.k_basis), v_basis=cast(self.v_basis))
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor):
+        if self.rotary is not None and self.k_basis is not None:
+            cos, sin = self.rotary.incoming()
+            keys = rotate(keys, cos, sin, self.rotary.style, inverse=True)
         k = keys if self.k_basis is None else project(keys, self.k_basis)
         v = values if self.v_basis is None else project(values, self.v_basis)
         return k, v
@@ -34,6 +86,9 @@ class LayerBases:
     def expand(self, keys: torch.Tensor, values: torch.Tensor):
         k = keys if self.k_basis is None else reconstruct(keys, self.k_basis, self.num_kv_heads)
         v = values if self.v_basis is None else reconstruct(values, self.v_basis, self.num_kv_heads)
+        if self.rotary is not None and self.k_basis is not None:
+            n = k.shape[-2]
+            k = rotate(k, self.rotary.cos[:, :n], self.rotary.sin[:, :n], self.rotary.style)
         return k, v
 
 
@@ -41,9 +96,9 @@ class LatentDynamicLayer(DynamicLayer):
     """A growing cache of latents (``(b, 1, n, r)``; the head axis keeps the seq axis at -2,
     so masks, ``get_seq_length``, cropping and beam reordering work as for full keys)."""
 
-    def __init__(self, bases: LayerBases):
+    def __init__(self, bases: LayerBases, logs_rotary: bool = False):
         super().__init__()
-        self.bases = bases
+        self.bases, self.logs_rotary = bases, logs_rotary
 
     def lazy_initialization(self, key_states, value_states):
         self.bases = self.bases.to(key_states)
@@ -52,6 +107,8 @@ class LatentDynamicLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.logs_rotary:
+            self.bases.rotary.append(None)
         k, v = self.bases.compress(key_states, value_states)
         self.keys = torch.cat([self.keys, k], dim=-2) if self.keys.numel() else k
         self.values = torch.cat([self.values, v], dim=-2) if self.values.numel() else v
@@ -61,18 +118,25 @@ class LatentDynamicLayer(DynamicLayer):
 class LatentStaticLayer(StaticLayer):
     """A preallocated cache of latents, written in place at the cache positions."""
 
-    def __init__(self, max_cache_len: int, bases: LayerBases):
+    def __init__(self, max_cache_len: int, bases: LayerBases, logs_rotary: bool = False):
         super().__init__(max_cache_len)
-        self.bases = bases
+        self.bases, self.logs_rotary = bases, logs_rotary
 
     def lazy_initialization(self, key_states, value_states):
         self.bases = self.bases.to(key_states)
-        k, v = self.bases.compress(key_states[:, :, :0], value_states[:, :, :0])
+        b, h, _, d = key_states.shape
+        k = key_states.new_empty(b, h, 0, d) if self.bases.k_basis is None \
+            else key_states.new_empty(b, 1, 0, self.bases.k_basis.shape[0])
+        v = value_states.new_empty(b, h, 0, value_states.shape[-1]) if self.bases.v_basis is None \
+            else value_states.new_empty(b, 1, 0, self.bases.v_basis.shape[0])
         super().lazy_initialization(k, v)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.logs_rotary:
+            positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+            self.bases.rotary.append(positions)
         keys, values = super().update(*self.bases.compress(key_states, value_states))
         return self.bases.expand(keys, values)
 
@@ -80,26 +144,34 @@ class LatentStaticLayer(StaticLayer):
 class LatentCache(Cache):
     """Latent layers where a plan compresses a layer, the given layers elsewhere."""
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list, rotary: RotaryLog | None = None):
         super().__init__(layers=layers)
+        self.rotary = rotary
 
     @classmethod
     def from_cache(cls, cache: Cache, bases: dict[int, LayerBases]) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers."""
-        layers = []
+        static = [l for l in cache.layers if type(l) is StaticLayer]
+        styles = {b.rope_style for b in bases.values() if b.rope_style}
+        rotary = None
+        if styles:
+            rotary = RotaryLog(styles.pop(), static[0].max_cache_len if static else None)
+        layers, log_owner = [], None
         for i, layer in enumerate(cache.layers):
-            if i in bases and type(layer) is DynamicLayer:
-                layer = LatentDynamicLayer(bases[i])
-            elif i in bases and type(layer) is StaticLayer:
-                layer = LatentStaticLayer(layer.max_cache_len, bases[i])
+            if i in bases and type(layer) in (DynamicLayer, StaticLayer):
+                b = bases[i]
+                if b.rope_style:
+                    b = replace(b, rotary=rotary)
+                    log_owner = i if log_owner is None else log_owner
+                owns = log_owner == i
+                layer = (LatentDynamicLayer(b, owns) if type(layer) is DynamicLayer
+                         else LatentStaticLayer(layer.max_cache_len, b, owns))
             layers.append(layer)
-        return cls(layers)
+        return cls(layers, rotary)
 
     def cache_bytes(self) -> int:
-        """Bytes held by the cache's key/value tensors (measured from the tensors)."""
-        total = 0
-        for layer in self.layers:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-        return total
+        """Bytes held by the cache's tensors (keys, values, RoPE angles), measured."""
+        tensors = [t for layer in self.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+        tensors += self.rotary.tensors() if self.rotary is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

@@ -50,11 +50,10 @@ def layer_bases(plan: Plan) -> dict[int, LayerBases]:
     """
     bases = {}
     for l in plan.layers:
-        if l.k_latent_of != "post_rope":
-            raise NotImplementedError("the latent cache for rope='reconstruct' is not built yet")
         if not l.skipped:
-            bases[l.layer] = LayerBases(l.k_basis if l.k_compressible else None,
-                                        l.v_basis if l.v_compressible else None, l.num_kv_heads)
+            bases[l.layer] = LayerBases(
+                l.k_basis if l.k_compressible else None, l.v_basis if l.v_compressible else None,
+                l.num_kv_heads, l.rope.style if l.k_latent_of == "pre_rope" else None)
     return bases
 
 
@@ -64,6 +63,34 @@ def latent_cache(model: nn.Module, max_cache_len: int | None = None) -> LatentCa
     base = (DynamicCache(config=config) if max_cache_len is None
             else StaticCache(config=config, max_cache_len=max_cache_len))
     return LatentCache.from_cache(base, model._lorc_bases)
+
+
+def _attention_module(model: nn.Module, block: AttentionBlock) -> nn.Module:
+    """The module that owns both the query and the output projection of a block."""
+    q, o = block.q.weight.split("."), block.o.weight.split(".")
+    common = []
+    for a, b in zip(q, o):
+        if a != b:
+            break
+        common.append(a)
+    return model.get_submodule(".".join(common))
+
+
+def _hand_angles_to_cache(module, args, kwargs):
+    """Forward pre-hook: give a latent cache the RoPE angles of the incoming tokens."""
+    cache, angles = kwargs.get("past_key_values"), kwargs.get("position_embeddings")
+    if isinstance(cache, LatentCache) and cache.rotary is not None and angles is not None:
+        cache.rotary.pending = angles
+
+
+def _install_angle_hooks(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
+    for handle in getattr(model, "_lorc_hooks", []):
+        handle.remove()
+    pre_rope = {l.layer for l in plan.layers if l.k_latent_of == "pre_rope" and not l.skipped}
+    model._lorc_hooks = [
+        _attention_module(model, b).register_forward_pre_hook(_hand_angles_to_cache,
+                                                              with_kwargs=True)
+        for b in blocks if b.layer in pre_rope]
 
 
 def _prepare_latent_cache(self, generation_config, model_kwargs, *args, **kwargs):
@@ -88,6 +115,7 @@ def compress(model: nn.Module, cache_fraction: float = 0.6, *,
     plan = make_plan(model, cache_fraction, blocks=blocks, **plan_options)
     model._lorc_plan = plan
     model._lorc_bases = layer_bases(plan)
+    _install_angle_hooks(model, plan, blocks)
     model._prepare_cache_for_generation = types.MethodType(_prepare_latent_cache, model)
     dtype = next(model.parameters()).dtype
     unsupported = [(b.layer, b.reason) for b in blocks if not b.supported]
