@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from .bases import BASES
-from .blocks import AttentionBlock
+from .blocks import AttentionBlock, named_params
 from .layers import layer_inputs
 from .plan import Plan, PlanOptions, plan_layers
 
@@ -24,7 +24,7 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "prog
         from .analysis import analyze
         blocks = analyze(model)
     grams = BASES[basis](model, blocks)
-    inputs = layer_inputs(model, blocks)
+    inputs = layer_inputs(named_params(model), blocks)
     for layer in inputs:
         layer.input_gram = grams.get(layer.layer)
     return plan_layers(inputs, options)

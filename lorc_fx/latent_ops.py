@@ -48,7 +48,6 @@ def _(latent, basis, num_heads):
     return latent.new_empty(b, num_heads, n, basis.shape[1] // num_heads)
 
 
-LOWERINGS = {
-    torch.ops.lorc.project.default: project_math,
-    torch.ops.lorc.reconstruct.default: reconstruct_math,
-}
+PROJECT = torch.ops.lorc.project.default
+RECONSTRUCT = torch.ops.lorc.reconstruct.default
+LOWERINGS = {PROJECT: project_math, RECONSTRUCT: reconstruct_math}

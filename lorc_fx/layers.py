@@ -1,15 +1,15 @@
 """Turn attention-block records into the plan's per-layer inputs."""
 from __future__ import annotations
 
-from torch import nn
+import torch
 
-from .blocks import AttentionBlock, named_params
+from .blocks import AttentionBlock
 from .plan import LayerInput
 
 
-def layer_inputs(model: nn.Module, blocks: list[AttentionBlock]) -> list[LayerInput]:
-    """One :class:`LayerInput` per supported block; unsupported blocks are not planned."""
-    params = named_params(model)
+def layer_inputs(params: dict[str, torch.Tensor], blocks: list[AttentionBlock]) -> list[LayerInput]:
+    """One :class:`LayerInput` per supported block (``params``: name → tensor, as the
+    blocks' projections name them); unsupported blocks are not planned."""
     inputs = []
     for block in blocks:
         if not block.supported:

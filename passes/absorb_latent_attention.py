@@ -12,13 +12,12 @@ ever rebuilt.
 """
 from __future__ import annotations
 
-import torch
 from torch import fx
 
 from lorc_fx.absorbed import latent_attention
+from lorc_fx.latent_ops import RECONSTRUCT
 from .graph_utils import SDPA_TARGETS, erase_if_unused, strip_repeat_kv
 
-RECONSTRUCT = torch.ops.lorc.reconstruct.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 

@@ -6,6 +6,8 @@ from torch import fx
 
 from lorc_fx.latent_ops import LOWERINGS
 
+LATENT_OPS = tuple(LOWERINGS)
+
 
 def lower_latent_ops(gm: fx.GraphModule) -> int:
     lowered = 0
