@@ -21,8 +21,15 @@ class CompressionReport:
     dtype_bytes: int = 4
 
     def cache_bytes_per_token(self) -> tuple[int, int]:
-        """(full, compressed) K+V cache bytes per token per sequence, all layers."""
+        """(full, compressed) K+V cache bytes per token per sequence, all planned layers.
+
+        In ``reconstruct`` mode the compressed figure includes the RoPE angles the cache
+        keeps once for all layers (``cos`` and ``sin``, ``rotary_dim`` each).
+        """
         full, kept = self.plan.cache_elements_per_token()
+        rotary = [l.rope.rotary_dim for l in self.plan.layers
+                  if l.k_latent_of == "pre_rope" and not l.skipped and l.k_compressible]
+        kept += 2 * max(rotary) if rotary else 0
         return full * self.dtype_bytes, kept * self.dtype_bytes
 
     def to_json(self) -> dict:

@@ -1,0 +1,69 @@
+"""Tiny random-weight models of the transformers families the pass must handle.
+
+``config_for(family, heads, kv_heads, head_dim, layers, bias, rotary)`` builds a config; the
+hypothesis strategy ``architectures()`` draws them. No downloads: weights are random.
+"""
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+from transformers import (AutoModelForCausalLM, GemmaConfig, Gemma3TextConfig, GPT2Config,
+                          GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
+                          Qwen2Config)
+
+VOCAB = 96
+FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "gpt2", "opt", "gemma", "gemma3")
+GQA_FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma", "gemma3")  # kv heads may differ
+
+
+def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+               layers: int = 2, bias: bool = False, rotary: float = 1.0):
+    hidden = heads * head_dim
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    llama_like = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, **common)
+    if family == "llama":
+        return LlamaConfig(head_dim=head_dim, attention_bias=bias, **llama_like)
+    if family == "mistral":
+        return MistralConfig(head_dim=head_dim, sliding_window=None, **llama_like)
+    if family == "qwen2":
+        return Qwen2Config(**llama_like)
+    if family == "phi3":
+        return Phi3Config(partial_rotary_factor=rotary, **llama_like)
+    if family == "gemma":
+        return GemmaConfig(head_dim=head_dim, **llama_like)
+    if family == "gemma3":
+        return Gemma3TextConfig(head_dim=head_dim, sliding_window=4,
+                                layer_types=["sliding_attention", "full_attention"][:layers]
+                                + ["full_attention"] * (layers - 2), **llama_like)
+    if family == "gpt_neox":
+        return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=heads,
+                             rotary_pct=rotary, attention_bias=True, **common)
+    if family == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=64, **common)
+    if family == "opt":
+        return OPTConfig(hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, max_position_embeddings=64,
+                         word_embed_proj_dim=hidden, enable_bias=bias, **common)
+    raise ValueError(family)
+
+
+def build(config, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    return model
+
+
+@st.composite
+def architectures(draw, families=FAMILIES):
+    family = draw(st.sampled_from(families))
+    heads = draw(st.sampled_from([2, 4, 6]))
+    kv_heads = draw(st.sampled_from([d for d in (1, 2, 3, 6) if heads % d == 0]))
+    if family not in GQA_FAMILIES:
+        kv_heads = heads
+    head_dim = draw(st.sampled_from([8, 16]))
+    rotary = draw(st.sampled_from([0.5, 1.0])) if family in ("gpt_neox", "phi3") else 1.0
+    bias = draw(st.booleans())
+    return family, config_for(family, heads, kv_heads, head_dim, draw(st.integers(1, 3)) if
+                              family != "gemma3" else 2, bias, rotary)
