@@ -17,6 +17,11 @@ class Projection:
 
     ``transposed`` marks weights stored ``(in, out)`` (GPT-2 ``Conv1D`` / ``addmm``): the row
     range then indexes the weight's columns.
+
+    ``rows``, when set, lists the rows explicitly, in (head, dim) order, for projections whose
+    rows are not one contiguous block (GPT-NeoX's fused ``query_key_value`` interleaves q, k and
+    v per head). ``start``/``stop`` then bound the rows (``min``, ``max + 1``); use ``width`` and
+    ``row_index()`` rather than ``stop - start``.
     """
 
     weight: str
@@ -24,20 +29,38 @@ class Projection:
     stop: int
     bias: str | None = None
     transposed: bool = False
+    rows: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_rows(cls, weight: str, rows, bias: str | None = None,
+                  transposed: bool = False) -> "Projection":
+        """The compact ``[start, stop)`` form when ``rows`` is contiguous, else explicit rows."""
+        rows = tuple(int(r) for r in rows)
+        start, stop = min(rows), max(rows) + 1
+        contiguous = rows == tuple(range(start, stop))
+        return cls(weight, start, stop, bias, transposed, None if contiguous else rows)
 
     @property
     def width(self) -> int:
-        return self.stop - self.start
+        return len(self.rows) if self.rows is not None else self.stop - self.start
+
+    def row_index(self) -> list[int]:
+        return list(self.rows) if self.rows is not None else list(range(self.start, self.stop))
+
+    def _select(self, t: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return t[self.start:self.stop]
+        return t[torch.tensor(self.rows, device=t.device)]
 
     def weight_tensor(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
         w = params[self.weight]
         w = w.t() if self.transposed else w
-        return w[self.start:self.stop]
+        return self._select(w)
 
     def bias_tensor(self, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
         if self.bias is None:
             return None
-        return params[self.bias][self.start:self.stop]
+        return self._select(params[self.bias])
 
 
 @dataclass(frozen=True)

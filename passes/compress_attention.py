@@ -55,9 +55,8 @@ def _why_not(m: AttentionMatch, rope_mode: str) -> str | None:
                 "compiling to cache latents")
     if m.key_states is None or m.value_states is None:
         return "keys/values not found as one tensor per KV head"
-    if rope_mode == "reconstruct" and m.rope_k is not None and m.rope_k.style != "none" \
-            and m.k_rope is None:
-        return "RoPE of the keys not located in the graph"
+    if rope_mode == "reconstruct" and m.rope_k.style != "none" and m.key_pre_rope is None:
+        return "keys before RoPE not located in the graph"
     return None
 
 
@@ -82,7 +81,7 @@ def compress_attention(gm: fx.GraphModule, example_inputs, options: PlanOptions)
         if layer.skipped:
             continue
         dtype = m.key_states.meta["example_value"].dtype
-        keys = m.k_rope.input if layer.k_latent_of == "pre_rope" else m.key_states
+        keys = m.key_pre_rope if layer.k_latent_of == "pre_rope" else m.key_states
         if layer.k_compressible:
             _splice(gm, keys, layer.k_basis.to(dtype), m.num_kv_heads, f"_lorc_k_basis_{i}")
         if layer.v_compressible:
