@@ -85,8 +85,9 @@ def _attention_module(model: nn.Module, block: AttentionBlock) -> nn.Module:
 
 def _hand_angles_to_cache(module, args, kwargs):
     """Forward pre-hook: give a latent cache the RoPE angles of the incoming tokens."""
-    cache, angles = kwargs.get("past_key_values"), kwargs.get("position_embeddings")
-    if isinstance(cache, LatentCache) and cache.rotary is not None and angles is not None:
+    cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, LatentCache)), None)
+    angles = kwargs.get("position_embeddings")
+    if cache is not None and cache.rotary is not None and angles is not None:
         cache.rotary.pending = angles
 
 
