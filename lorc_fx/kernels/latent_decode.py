@@ -263,30 +263,58 @@ def combine_splits(parts: dict, out: torch.Tensor, t: int) -> None:
         T=t, BLOCK_S=max(2, triton.next_power_of_2(s)), BLOCK_V=block_v)
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Tiling, split plan, output and partial buffers shared by both decode kernels."""
+
+    out: torch.Tensor
+    parts: dict
+    plan: SplitPlan
+    grid: tuple
+    t: int
+    blocks: dict  # BLOCK_M / BLOCK_N / BLOCK_K / BLOCK_V
+    upcast: bool
+    precision: str | None
+
+    @classmethod
+    def prepare(cls, q, n: int, r_k: int, r_v: int, block_k_cap: int,
+                num_splits: int | None) -> "DecodeLaunch":
+        batch, heads, t, _ = q.shape
+        rows = heads * t
+        block_m = block_rows(rows)
+        block_v = block_cols(r_v, max(16, _ACC_ELEMS // block_m))
+        blocks = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_cols(r_k, block_k_cap),
+                      BLOCK_V=block_v)
+        v_chunks = triton.cdiv(r_v, block_v)
+        plan = plan_splits(q.device, batch, n, v_chunks, blocks["BLOCK_N"], num_splits)
+        out = torch.empty(batch, heads, t, r_v, device=q.device, dtype=q.dtype)
+        upcast, precision = dot_flags(q.dtype)
+        return cls(out, split_buffers(out, batch, plan, rows, r_v), plan,
+                   (batch, plan.num_splits, v_chunks), t, blocks, upcast, precision)
+
+    def kernel_args(self) -> dict:
+        return dict(out_ptr=self.out, **self.parts, split_len=self.plan.split_len,
+                    **strides("o", "bhtr", self.out), T=self.t,
+                    SINGLE_SPLIT=self.plan.num_splits == 1, UPCAST=self.upcast,
+                    PRECISION=self.precision, **self.blocks)
+
+    def finish(self) -> torch.Tensor:
+        if self.plan.num_splits > 1:
+            combine_splits(self.parts, self.out, self.t)
+        return self.out
+
+
 def latent_decode_triton(q, c_k, c_v, scale: float, mask=None, start=None, length=None,
                          num_splits: int | None = None) -> torch.Tensor:
     """Launch on validated inputs: ``q`` ``(B, H, T, r_k)``, ``c_k`` ``(B, N, r_k)``, ``c_v``
     ``(B, N, r_v)``, any strides. Returns ``(B, H, T, r_v)`` in ``q.dtype``."""
-    batch, heads, t, r_k = q.shape
+    heads, r_k = q.shape[1], q.shape[3]
     n, r_v = c_k.shape[1], c_v.shape[2]
-    rows = heads * t
-    block_m = block_rows(rows)
-    block_v = block_cols(r_v, max(16, _ACC_ELEMS // block_m))
-    block_n, block_k = 64, block_cols(r_k, 128)
-    v_chunks = triton.cdiv(r_v, block_v)
-    plan = plan_splits(q.device, batch, n, v_chunks, block_n, num_splits)
-    out = torch.empty(batch, heads, t, r_v, device=q.device, dtype=q.dtype)
-    parts = split_buffers(out, batch, plan, rows, r_v)
-    upcast, precision = dot_flags(q.dtype)
-    grid = (batch, plan.num_splits, v_chunks)
-    wrap_triton(_latent_split_kernel)[grid](
-        q_ptr=q, ck_ptr=c_k, cv_ptr=c_v, out_ptr=out, **parts, **range_args(mask, start, length, n),
-        H=heads, N=n, R_K=r_k, R_V=r_v, qk_scale=scale * LOG2E, split_len=plan.split_len,
-        **strides("q", "bhtr", q), **strides("k", "bnr", c_k), **strides("v", "bnr", c_v),
-        **strides("o", "bhtr", out),
-        T=t, SINGLE_SPLIT=plan.num_splits == 1, UPCAST=upcast, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_V=block_v,
-        num_warps=8 if block_m * block_v >= 8192 else 4)
-    if plan.num_splits > 1:
-        combine_splits(parts, out, t)
-    return out
+    launch = DecodeLaunch.prepare(q, n, r_k, r_v, 128, num_splits)
+    wide = launch.blocks["BLOCK_M"] * launch.blocks["BLOCK_V"] >= 8192
+    wrap_triton(_latent_split_kernel)[launch.grid](
+        q_ptr=q, ck_ptr=c_k, cv_ptr=c_v, **launch.kernel_args(),
+        **range_args(mask, start, length, n), H=heads, N=n, R_K=r_k, R_V=r_v,
+        qk_scale=scale * LOG2E, **strides("q", "bhtr", q), **strides("k", "bnr", c_k),
+        **strides("v", "bnr", c_v), num_warps=8 if wide else 4)
+    return launch.finish()

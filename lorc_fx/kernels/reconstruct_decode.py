@@ -22,8 +22,8 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from .latent_decode import (
-    LOG2E, _ACC_ELEMS, block_cols, block_rows, combine_splits, dot_flags, mma, plan_splits,
-    range_args, softmax_step, split_buffers, split_range, store_result, strides, visible_keys,
+    LOG2E, DecodeLaunch, block_cols, mma, range_args, softmax_step, split_range, store_result,
+    strides, visible_keys,
 )
 
 
@@ -141,33 +141,17 @@ def reconstruct_decode_triton(q, c_k, c_v, basis, positions, inv_freq, scale: fl
     """Launch on validated inputs: ``q`` ``(B, H, T, d)``, ``c_k`` ``(B, N, r_k)``, ``c_v``
     ``(B, N, r_v)``, ``basis`` ``(r_k, h_kv*d)``, ``positions`` ``(B, N)``, ``inv_freq``
     ``(rotary_dim/2,)`` contiguous. Returns ``(B, H, T, r_v)`` in ``q.dtype``."""
-    batch, heads, t, head_dim = q.shape
+    heads, head_dim = q.shape[1], q.shape[3]
     n, r_k, r_v = c_k.shape[1], c_k.shape[2], c_v.shape[2]
     half = inv_freq.shape[0]
-    rows = heads * t
-    block_m = block_rows(rows)
-    block_v = block_cols(r_v, max(16, _ACC_ELEMS // block_m))
-    block_n, block_k = 64, block_cols(r_k, 64)
-    v_chunks = triton.cdiv(r_v, block_v)
-    plan = plan_splits(q.device, batch, n, v_chunks, block_n, num_splits)
-    out = torch.empty(batch, heads, t, r_v, device=q.device, dtype=q.dtype)
-    parts = split_buffers(out, batch, plan, rows, r_v)
-    upcast, precision = dot_flags(q.dtype)
-    grid = (batch, plan.num_splits, v_chunks)
-    wrap_triton(_reconstruct_split_kernel)[grid](
+    launch = DecodeLaunch.prepare(q, n, r_k, r_v, 64, num_splits)
+    wrap_triton(_reconstruct_split_kernel)[launch.grid](
         q_ptr=q, ck_ptr=c_k, cv_ptr=c_v, basis_ptr=basis, pos_ptr=positions,
-        inv_freq_ptr=inv_freq, out_ptr=out, **parts, **range_args(mask, start, length, n),
+        inv_freq_ptr=inv_freq, **launch.kernel_args(), **range_args(mask, start, length, n),
         H=heads, H_KV=basis.shape[1] // head_dim, N=n, R_K=r_k, R_V=r_v,
-        qk_scale=scale * LOG2E, split_len=plan.split_len,
-        **strides("q", "bhtr", q), **strides("k", "bnr", c_k), **strides("v", "bnr", c_v),
-        **strides("p", "rf", basis), **strides("pos", "bn", positions),
-        **strides("o", "bhtr", out),
-        HEAD_DIM=head_dim, HALF=half,
-        T=t, SINGLE_SPLIT=plan.num_splits == 1, UPCAST=upcast, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_V=block_v,
+        qk_scale=scale * LOG2E, **strides("q", "bhtr", q), **strides("k", "bnr", c_k),
+        **strides("v", "bnr", c_v), **strides("p", "rf", basis),
+        **strides("pos", "bn", positions), HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=block_cols(half, 1 << 30),
-        BLOCK_PASS=block_cols(max(1, head_dim - 2 * half), 1 << 30),
-        num_warps=8)
-    if plan.num_splits > 1:
-        combine_splits(parts, out, t)
-    return out
+        BLOCK_PASS=block_cols(max(1, head_dim - 2 * half), 1 << 30), num_warps=8)
+    return launch.finish()
