@@ -8,7 +8,6 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-import lorc_fx
 from lorc_fx.backend import lorc_backend
 from lorc_fx.cache import LatentCache
 from lorc_fx.compress import compress, latent_cache
