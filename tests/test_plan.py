@@ -148,3 +148,17 @@ def test_unreachable_fraction_reports_range():
 def test_invalid_options_raise_clear_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PlanOptions(**kwargs)
+
+
+def test_non_float_or_meta_weights_are_refused_by_name():
+    from lorc_fx.blocks import AttentionBlock, Projection
+    from lorc_fx.layers import layer_inputs
+
+    block = AttentionBlock(0, None, Projection("k.weight", 0, 8), Projection("v.weight", 0, 8),
+                           None, 2, 1, 8, k_path="none")
+    with pytest.raises(ValueError, match=r"'k.weight' has dtype torch.int8"):
+        layer_inputs({"k.weight": torch.zeros(8, 16, dtype=torch.int8),
+                      "v.weight": torch.zeros(8, 16)}, [block])
+    with pytest.raises(ValueError, match=r"'v.weight' is on the meta device"):
+        layer_inputs({"k.weight": torch.zeros(8, 16),
+                      "v.weight": torch.zeros(8, 16, device="meta")}, [block])
