@@ -163,3 +163,13 @@ def test_inductor_matches_eager(family, fraction, cache):
     with compiled(model, lorc_backend):
         got = generate(model, ids, mask, cache)
     assert_same_generation(got, expected)
+
+
+def test_skipped_layers_store_full_keys_and_values():
+    model = build(config_for("llama", heads=4, kv_heads=2, layers=3))
+    ids, mask = prompt()
+    compress(model, 0.8, schedule="uniform", keep_first=1, rank_multiple=1)
+    cache = generate(model, ids, mask).past_key_values
+    first, second = cache.layers[0], cache.layers[1]
+    assert type(first).__name__ == "DynamicLayer" and first.keys.shape[1] == 2  # (b, h_kv, n, d)
+    assert type(second).__name__ == "LatentDynamicLayer" and second.keys.shape[1] == 1
