@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.utils import is_torchdynamo_compiling
 
 from .latent_ops import project, reconstruct
 from .rotary import rotate
@@ -123,13 +124,22 @@ class LatentStaticLayer(StaticLayer):
         self.bases, self.logs_rotary = bases, logs_rotary
 
     def lazy_initialization(self, key_states, value_states):
+        """Allocate the buffers: ``(b, 1, max, r)`` for a latent side, ``(b, h_kv, max, d)``
+        for a side kept raw (the two sides can differ, so not StaticLayer's one head count)."""
         self.bases = self.bases.to(key_states)
-        b, h, _, d = key_states.shape
-        k = key_states.new_empty(b, h, 0, d) if self.bases.k_basis is None \
-            else key_states.new_empty(b, 1, 0, self.bases.k_basis.shape[0])
-        v = value_states.new_empty(b, h, 0, value_states.shape[-1]) if self.bases.v_basis is None \
-            else value_states.new_empty(b, 1, 0, self.bases.v_basis.shape[0])
-        super().lazy_initialization(k, v)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = self._buffer(key_states, self.bases.k_basis)
+        self.values = self._buffer(value_states, self.bases.v_basis)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        if not is_torchdynamo_compiling():
+            for tensor in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    def _buffer(self, states: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+        b, h, _, d = states.shape
+        heads, width = (h, d) if basis is None else (1, basis.shape[0])
+        return states.new_zeros(b, heads, self.max_cache_len, width)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
