@@ -12,22 +12,44 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="'default' (embedded SmolLM2-135M), a Hugging Face model directory, or a .gguf file")
 
 
-def _add_plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache-fraction", type=float, default=0.6,
-                   help="kept K+V cache bytes / full K+V cache bytes, in (0, 1]")
-    p.add_argument("--schedule", default="progressive")
+def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
+                      choice: bool = True) -> None:
+    if fraction:
+        p.add_argument("--cache-fraction", type=float, default=0.6,
+                       help="kept K+V cache bytes / full K+V cache bytes, in (0, 1]")
+    if choice:
+        p.add_argument("--schedule", default="calibrated",
+                       help="calibrated | greedy | progressive (the paper) | uniform")
+        p.add_argument("--basis", default="auto",
+                       help="auto (attention where calibration is possible, else weight) | "
+                            "attention | whitened | norm | weight (the paper)")
     p.add_argument("--rope", default="commute", help="commute | reconstruct")
-    p.add_argument("--basis", default="weight")
     p.add_argument("--skip-threshold", type=float, default=None,
                    help="layers whose cumulative condition number exceeds this stay full")
     p.add_argument("--keep-first", type=int, default=0, help="the first N layers stay full")
     p.add_argument("--rank-multiple", type=int, default=8)
+    p.add_argument("--key-fraction", type=float, default=None,
+                   help="calibrated schedule: keys' kept ratio (default: measured)")
+    p.add_argument("--calibration-text", default="news,austen",
+                   help="comma-separated texts the data-aware bases calibrate on "
+                        "(news, austen, or paths); only every 4th paragraph is read")
+    p.add_argument("--calibration-tokens", type=int, default=16384)
+    p.add_argument("--calibration-seed", type=int, default=0)
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
-    return dict(cache_fraction=args.cache_fraction, schedule=args.schedule, rope=args.rope,
-                basis=args.basis, skip_threshold=args.skip_threshold,
-                keep_first=args.keep_first, rank_multiple=args.rank_multiple)
+    from .calibration import CalibrationOptions
+
+    kwargs = dict(rope=args.rope, skip_threshold=args.skip_threshold, keep_first=args.keep_first,
+                  rank_multiple=args.rank_multiple, key_fraction=args.key_fraction,
+                  calibration=CalibrationOptions(
+                      texts=tuple(t.strip() for t in args.calibration_text.split(",") if t.strip()),
+                      tokens=args.calibration_tokens, seed=args.calibration_seed))
+    if hasattr(args, "cache_fraction"):
+        kwargs["cache_fraction"] = args.cache_fraction
+    if hasattr(args, "schedule"):
+        kwargs.update(schedule=args.schedule, basis=args.basis)
+    return kwargs
 
 
 def _write_json(path: str, data) -> None:
@@ -64,6 +86,89 @@ def cmd_analyze(args: argparse.Namespace) -> None:
         _write_json(args.json, blocks_to_json(blocks))
 
 
+def _machine() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from .analysis import analyze
+    from .compress import compress
+    from .evaluate import EvalOptions, evaluate
+    from .models import load_model, load_tokenizer
+    from .texts import load_text
+
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    text = load_text(args.text)
+    blocks = analyze(model)
+    loaded = time.perf_counter()
+    report = compress(model, blocks=blocks, **_plan_kwargs(args))
+    planned = time.perf_counter()
+    result = evaluate(model, tokenizer, text, EvalOptions(
+        tokens=args.tokens, window=args.window, prompts=args.prompts,
+        new_tokens=args.new_tokens, compile=args.compile))
+    full_bytes, kept_bytes = report.cache_bytes_per_token()
+    out = {
+        "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
+        "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement,
+        "generation": result.generation, "text": args.text, "tokens": args.tokens,
+        "window": args.window, "cache_fraction": report.plan.cache_fraction,
+        "cache_bytes_per_token_full": full_bytes,
+        "cache_bytes_per_token_compressed": kept_bytes,
+        "cache_bytes_per_token_measured": result.cache_bytes_per_token_measured,
+        "compiled": args.compile, "plan": report.to_json(),
+        "seconds": {"load_and_analyze": loaded - start, "plan": planned - loaded,
+                    **result.seconds, "total": time.perf_counter() - start},
+        "machine": _machine(),
+    }
+    g = result.generation
+    print(f"{args.text}: perplexity {result.ppl_full:.3f} full, {result.ppl_compressed:.3f} "
+          f"compressed (x{result.ppl_ratio:.4f}) at cache fraction "
+          f"{report.plan.cache_fraction:.3f} ({kept_bytes}/{full_bytes} bytes per token)")
+    print(f"next-token agreement {result.top1_agreement:.1%}; greedy generation: "
+          f"{g['token_agreement']:.1%} of tokens agree, {g['exact_match']:.0%} of "
+          f"continuations identical, first difference after {g['mean_common_prefix']:.1f} "
+          f"tokens on average; {out['seconds']['total']:.0f} s")
+    if args.json:
+        _write_json(args.json, out)
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from .analysis import analyze
+    from .models import load_model, load_tokenizer
+    from .sweep import parse_configs, plot_sweep, run_sweep
+    from .texts import load_text
+
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    texts = {name: load_text(name) for name in args.texts.split(",")}
+    result = run_sweep(model, tokenizer, analyze(model), texts,
+                       [float(f) for f in args.fractions.split(",")],
+                       parse_configs(args.configs), args.tokens, args.window,
+                       _plan_kwargs(args), checkpoint=args.json)
+    result["machine"] = _machine()
+    for row in result["rows"]:
+        cells = (" ".join(f"{t} {row['ppl'][t]:8.2f} (x{row['ratio'][t]:.3f})" for t in texts)
+                 if "ppl" in row else row["error"].split(":")[0])
+        print(f"{row['basis']:>9}/{row['schedule']:<11} {row['requested']:.2f}  {cells}")
+    _write_json(args.json, result)
+    plot_sweep(result, args.plot)
+    print(f"wrote {args.plot}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .demo import run_demo
+
+    kwargs = _plan_kwargs(args)
+    run_demo(kwargs.pop("cache_fraction"), args.out, kwargs, tokens=args.tokens,
+             new_tokens=args.new_tokens, compile_speed=not args.no_compile)
+
+
 def cmd_fetch_austen(args: argparse.Namespace) -> None:
     from .texts import fetch_austen
 
@@ -79,12 +184,51 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_options(p)
     p.add_argument("--json", help="write the plan as JSON")
     p.add_argument("--plot", help="write a PNG of ranks and log κ̃ by layer")
-    p.set_defaults(run=cmd_plan)
+    # `lorc plan` shows the paper's plan (progressive ranks from weight-only SVD) unless told
+    # otherwise; compress/eval/demo default to the measured best (calibrated, auto basis).
+    p.set_defaults(run=cmd_plan, schedule="progressive", basis="weight")
 
     p = sub.add_parser("analyze", help="attention blocks found in the model's captured graph")
     _add_model(p)
     p.add_argument("--json", help="write the records as JSON")
     p.set_defaults(run=cmd_analyze)
+
+    p = sub.add_parser("eval", help="perplexity and greedy agreement, full vs compressed cache")
+    _add_model(p)
+    _add_plan_options(p)
+    p.add_argument("--text", default="news", help="news | austen | a UTF-8 text file")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens evaluated, in windows")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=4, help="greedy-generation prompts")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--compile", action="store_true",
+                   help="score compiled: the full cache with Inductor, the latent cache "
+                        "with lorc_backend")
+    p.add_argument("--json", help="write the results as JSON")
+    p.set_defaults(run=cmd_eval)
+
+    p = sub.add_parser("sweep", help="perplexity over cache fractions and plan options")
+    _add_model(p)
+    _add_plan_options(p, fraction=False, choice=False)
+    p.add_argument("--fractions", default="0.8,0.7,0.6,0.5")
+    p.add_argument("--configs", default="weight:progressive,weight:uniform,whitened:uniform,"
+                                        "whitened:calibrated,attention:greedy,attention:calibrated",
+                   help="comma-separated basis:schedule pairs")
+    p.add_argument("--texts", default="news,austen")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per text, in windows")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--json", default="sweep.json",
+                   help="results, written after every row; a rerun resumes from it")
+    p.add_argument("--plot", default="sweep.png")
+    p.set_defaults(run=cmd_sweep)
+
+    p = sub.add_parser("demo", help="plan, quality and compiled speed on the default model")
+    _add_plan_options(p)
+    p.add_argument("--out", default="lorc-report")
+    p.add_argument("--tokens", type=int, default=2048, help="news tokens for perplexity")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled speed test")
+    p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("fetch-austen", help="download Debian's r-cran-janeaustenr into the cache")
     p.set_defaults(run=cmd_fetch_austen)

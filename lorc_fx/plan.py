@@ -11,8 +11,11 @@ from dataclasses import dataclass, field, asdict
 
 import torch
 
+from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
 from .bases import BASES
 from .blocks import RopeLayout
+from .calibration import CalibrationOptions
+from .metrics import relative
 from .schedules import SCHEDULES, ScheduleInput
 from .spectra import Spectrum, condition_number, real_spectrum, rope_commuting_spectrum
 
@@ -22,12 +25,14 @@ ROPE_MODES = ("commute", "reconstruct")
 @dataclass(frozen=True)
 class PlanOptions:
     cache_fraction: float = 0.6
-    schedule: str = "progressive"
+    schedule: str = "calibrated"
     rope: str = "commute"
-    basis: str = "weight"
+    basis: str = "auto"
     skip_threshold: float | None = None  # layers with cumulative κ̃ above it stay full
     keep_first: int = 0  # the first N layers stay full
     rank_multiple: int = 8
+    key_fraction: float | None = None  # calibrated schedule: keys' kept ratio (None: measured)
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
 
     def __post_init__(self):
         f = self.cache_fraction
@@ -45,6 +50,8 @@ class PlanOptions:
             raise ValueError(f"keep_first must be >= 0, got {self.keep_first}")
         if self.rank_multiple < 1:
             raise ValueError(f"rank_multiple must be >= 1, got {self.rank_multiple}")
+        if self.key_fraction is not None and not 0 <= self.key_fraction <= 1:
+            raise ValueError(f"key_fraction must be in [0, 1], got {self.key_fraction!r}")
 
 
 @dataclass
@@ -62,6 +69,9 @@ class LayerInput:
     compress_v: bool = True
     note: str = ""  # why something stays full
     input_gram: torch.Tensor | None = None  # E[x xᵀ] of the K/V projection input
+    # precomputed spectra (data-aware bases); energies in one error unit across projections
+    k_spectrum: Spectrum | None = None
+    v_spectrum: Spectrum | None = None
 
 
 @dataclass
@@ -133,10 +143,20 @@ def _energy_kept(spectrum: Spectrum, rank: int) -> float:
 
 
 def _key_spectrum(layer: LayerInput, rope_mode: str) -> Spectrum:
+    """The layer's precomputed key spectrum, else the weight's under the input metric, with
+    energies as shares of the total (the one unit in which weight spectra compare)."""
+    if layer.k_spectrum is not None:
+        return layer.k_spectrum
     if layer.rope.style != "none" and rope_mode == "commute":
-        return rope_commuting_spectrum(layer.k_weight, layer.num_kv_heads, layer.head_dim,
-                                       layer.rope, layer.input_gram)
-    return real_spectrum(layer.k_weight, layer.input_gram)
+        return relative(rope_commuting_spectrum(layer.k_weight, layer.num_kv_heads,
+                                                layer.head_dim, layer.rope, layer.input_gram))
+    return relative(real_spectrum(layer.k_weight, layer.input_gram))
+
+
+def _value_spectrum(layer: LayerInput) -> Spectrum:
+    if layer.v_spectrum is not None:
+        return layer.v_spectrum
+    return relative(real_spectrum(layer.v_weight, layer.input_gram))
 
 
 def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[float]:
@@ -160,12 +180,13 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
         for i, lk in enumerate(log_cum)
     ]
     k_spectra = [_key_spectrum(l, options.rope) for l in layers]
-    v_spectra = [real_spectrum(l.v_weight, l.input_gram) for l in layers]
+    v_spectra = [_value_spectrum(l) for l in layers]
     inp = ScheduleInput(
         k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum,
         compress_k=[l.compress_k and not s for l, s in zip(layers, skipped)],
         compress_v=[l.compress_v and not s for l, s in zip(layers, skipped)],
-        cache_fraction=options.cache_fraction, rank_multiple=options.rank_multiple)
+        cache_fraction=options.cache_fraction, rank_multiple=options.rank_multiple,
+        key_fraction=options.key_fraction)
     allocation = SCHEDULES[options.schedule](inp)
 
     plans = []

@@ -26,6 +26,7 @@ class ScheduleInput:
     compress_v: list[bool]
     cache_fraction: float
     rank_multiple: int
+    key_fraction: float | None = None  # the calibrated schedule's key/value split
 
     @property
     def full_width(self) -> int:
