@@ -48,18 +48,25 @@ class Allocation:
 Schedule = Callable[[ScheduleInput], Allocation]
 
 
-def snap_rank(spectrum: Spectrum, target: float, multiple: int) -> int:
-    """The valid rank nearest ``target`` that is a multiple of ``multiple`` (or full width)."""
-    candidates = [r for r in spectrum.valid_ranks if r % multiple == 0 or r == spectrum.width]
+def snap_rank(spectrum: Spectrum, target: float, multiple: int, cap: float = 1.0) -> int:
+    """The valid rank nearest ``target`` that is a multiple of ``multiple`` (or full width),
+    keeping at most ``cap`` of the width (0 is always valid)."""
+    allowed = [r for r in spectrum.valid_ranks if r <= cap * spectrum.width + 1e-9]
+    candidates = [r for r in allowed if r % multiple == 0 or r == spectrum.width] or allowed
     return min(candidates, key=lambda r: (abs(r - target), -r))
 
 
 def _ranks_at(inp: ScheduleInput, ratios: list[float]) -> Ranks:
-    ranks = []
+    """Snap every layer's kept ratio to a valid rank, never keeping a larger share of the
+    width than a shallower compressed layer (the spectra's valid ranks differ by layer, so
+    snapping alone could break the ordering of non-increasing ratios)."""
+    ranks, k_cap, v_cap = [], 1.0, 1.0
     for ks, vs, ck, cv, ratio in zip(inp.k_spectra, inp.v_spectra, inp.compress_k,
                                      inp.compress_v, ratios):
-        k = snap_rank(ks, ratio * ks.width, inp.rank_multiple) if ck else ks.width
-        v = snap_rank(vs, ratio * vs.width, inp.rank_multiple) if cv else vs.width
+        k = snap_rank(ks, ratio * ks.width, inp.rank_multiple, k_cap) if ck else ks.width
+        v = snap_rank(vs, ratio * vs.width, inp.rank_multiple, v_cap) if cv else vs.width
+        k_cap = k / ks.width if ck else k_cap
+        v_cap = v / vs.width if cv else v_cap
         ranks.append((k, v))
     return ranks
 
@@ -95,9 +102,12 @@ def _blend(inp: ScheduleInput, below: Ranks, above: Ranks) -> Ranks:
     miss = lambda kept: abs(kept / total - inp.cache_fraction)
     kept = sum(flat)
     for i, up in enumerate(targets):
-        if up != flat[i] and miss(kept - flat[i] + up) <= miss(kept):
-            kept += up - flat[i]
-            flat[i] = up
+        if up == flat[i]:
+            continue
+        if miss(kept - flat[i] + up) > miss(kept):
+            break  # a prefix of promotions keeps ranks monotone in depth
+        kept += up - flat[i]
+        flat[i] = up
     return list(zip(flat[0::2], flat[1::2]))
 
 
