@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 
-from .schedules import SCHEDULES, Allocation, ScheduleInput, UnreachableFraction, snap_rank
+from .schedules import SCHEDULES, Allocation, ScheduleInput, check_reachable, snap_rank
 from .spectra import Spectrum
 
 
@@ -61,21 +61,12 @@ def _lowest(widths: list[int], movable: list[bool]) -> int:
     return sum(w for w, m in zip(widths, movable) if not m)
 
 
-def _check_reachable(inp: ScheduleInput, lowest: float, name: str) -> None:
-    step = inp.rank_multiple / inp.full_width
-    if inp.cache_fraction < lowest - step:
-        raise UnreachableFraction(
-            f"cache fraction {inp.cache_fraction:.3f} is out of reach of the {name} schedule "
-            f"on this model: it reaches [{lowest:.3f}, 1.000] with the skipped layers kept; "
-            "ask for a fraction in that range, or use another schedule")
-
-
 def greedy(inp: ScheduleInput) -> Allocation:
     """Keys and values of every layer water-filled together."""
     spectra = inp.k_spectra + inp.v_spectra
     movable = inp.compress_k + inp.compress_v
     lowest = _lowest([s.width for s in spectra], movable) / inp.full_width
-    _check_reachable(inp, lowest, "greedy")
+    check_reachable(inp, lowest, "greedy")
     ranks = water_fill(spectra, movable, inp.cache_fraction * inp.full_width, inp.rank_multiple)
     n = len(inp.k_spectra)
     return Allocation(list(zip(ranks[:n], ranks[n:])), lowest)
@@ -111,7 +102,7 @@ def calibrated(inp: ScheduleInput) -> Allocation:
     v_widths = [s.width for s in inp.v_spectra]
     lowest = _lowest([s.width for s in inp.k_spectra] + v_widths,
                      inp.compress_k + inp.compress_v) / inp.full_width
-    _check_reachable(inp, lowest, "calibrated")
+    check_reachable(inp, lowest, "calibrated")
     values = water_fill(inp.v_spectra, inp.compress_v,
                         inp.cache_fraction * inp.full_width - sum(keys), inp.rank_multiple)
     return Allocation(list(zip(keys, values)), lowest)

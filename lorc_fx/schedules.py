@@ -71,16 +71,21 @@ def _ranks_at(inp: ScheduleInput, ratios: list[float]) -> Ranks:
     return ranks
 
 
-def solve_ratio_schedule(inp: ScheduleInput, ratios_at: Callable[[float], list[float]],
-                         name: str) -> Allocation:
-    """Bisect the knob ``m`` in [0, 1] (fraction non-decreasing in ``m``) to meet the target."""
-    lowest = inp.fraction(_ranks_at(inp, ratios_at(0.0)))
+def check_reachable(inp: ScheduleInput, lowest: float, name: str) -> None:
+    """Refuse a fraction more than one rank step below the least the schedule reaches."""
     step = inp.rank_multiple / inp.full_width
     if inp.cache_fraction < lowest - step:
         raise UnreachableFraction(
             f"cache fraction {inp.cache_fraction:.3f} is out of reach of the {name} schedule "
             f"on this model: it reaches [{lowest:.3f}, 1.000] with the skipped layers kept; "
             "ask for a fraction in that range, or use another schedule")
+
+
+def solve_ratio_schedule(inp: ScheduleInput, ratios_at: Callable[[float], list[float]],
+                         name: str) -> Allocation:
+    """Bisect the knob ``m`` in [0, 1] (fraction non-decreasing in ``m``) to meet the target."""
+    lowest = inp.fraction(_ranks_at(inp, ratios_at(0.0)))
+    check_reachable(inp, lowest, name)
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
