@@ -1,42 +1,45 @@
 """Model-level entry points: analyse a model's attention, then plan its ranks."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 from torch import nn
 
 from .bases import resolve
-from .blocks import AttentionBlock, named_params
+from .blocks import AttentionBlock, attention_module, named_params
 from .calibration import CalibrationOptions
 from .layers import layer_inputs
 from .plan import Plan, PlanOptions, plan_layers
+from .schedules import UnreachableFraction
 
 # bases measured on calibration text; with them the calibrated schedule measures its split too
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
 
 
-def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "calibrated",
-         rope: str = "commute", basis: str = "auto", skip_threshold: float | None = None,
-         keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
-         calibration: CalibrationOptions | None = None,
-         blocks: list[AttentionBlock] | None = None) -> Plan:
-    """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V cache.
+def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock]) -> list[str]:
+    """The RoPE modes to plan: ``auto`` tries ``commute`` and, where every rotary attention
+    module takes the step's angles as ``position_embeddings`` (the latent cache needs them to
+    rotate rebuilt keys), ``reconstruct``. An explicit ``reconstruct`` on a model whose
+    attention does not take them is refused."""
+    rotary = [b for b in blocks if b.supported and b.rope_k.style != "none"]
+    hands_angles = all(
+        "position_embeddings" in inspect.signature(attention_module(model, b).forward).parameters
+        for b in rotary)
+    if rope == "auto":
+        return ["commute", "reconstruct"] if rotary and hands_angles else ["commute"]
+    if rope == "reconstruct" and not hands_angles:
+        raise ValueError(
+            f"rope='reconstruct' needs the RoPE angles of each step, but the attention modules "
+            f"of {type(model).__name__} do not take `position_embeddings`; use rope='commute'")
+    return [rope]
 
-    ``blocks`` defaults to :func:`lorc_fx.analyze` of the model. ``basis="auto"`` picks the
-    best basis calibration allows (``lorc_fx.bases.resolve``); the plan's options record the
-    basis used. ``calibration`` says which
-    text the data-aware bases measure (default: :class:`CalibrationOptions`); measurements
-    are cached on disk. With the ``calibrated`` schedule, a data-aware basis and no
-    ``key_fraction``, the key/value split is measured too (``lorc_fx.split_search``).
-    """
-    options = PlanOptions(cache_fraction=cache_fraction, schedule=schedule, rope=rope,
-                          basis=basis, skip_threshold=skip_threshold, keep_first=keep_first,
-                          rank_multiple=rank_multiple, key_fraction=key_fraction,
-                          calibration=calibration or CalibrationOptions())
-    if blocks is None:
-        from .analysis import analyze
-        blocks = analyze(model)
-    basis, metrics = resolve(basis, model, blocks, options)
+
+def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+               measure: bool) -> tuple[Plan, float | None]:
+    """A plan for one RoPE mode and, where calibration allows and ``measure`` asks (or the
+    split search measures anyway), its held-out calibration loss."""
+    basis, metrics = resolve(options.basis, model, blocks, options)
     options = replace(options, basis=basis)
     inputs = layer_inputs(named_params(model), blocks)
     for layer in inputs:
@@ -44,7 +47,51 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
         if metric is not None:
             layer.input_gram = metric.input_gram
             layer.k_spectrum, layer.v_spectrum = metric.k_spectrum, metric.v_spectrum
-    if options.schedule == "calibrated" and key_fraction is None and basis in CALIBRATED_BASES:
-        from .split_search import measured_key_fraction
-        options = replace(options, key_fraction=measured_key_fraction(model, blocks, inputs, options))
-    return plan_layers(inputs, options)
+    if basis not in CALIBRATED_BASES:
+        return plan_layers(inputs, options), None
+    from .split_search import held_out_loss, measured_split
+
+    if options.schedule == "calibrated" and options.key_fraction is None:
+        key_fraction, loss = measured_split(model, blocks, inputs, options)
+        return plan_layers(inputs, replace(options, key_fraction=key_fraction)), loss
+    result = plan_layers(inputs, options)
+    return result, held_out_loss(model, blocks, result) if measure else None
+
+
+def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "calibrated",
+         rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
+         keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
+         calibration: CalibrationOptions | None = None,
+         blocks: list[AttentionBlock] | None = None) -> Plan:
+    """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V cache.
+
+    ``blocks`` defaults to :func:`lorc_fx.analyze` of the model. ``basis="auto"`` picks the
+    best basis calibration allows (``lorc_fx.bases.resolve``); ``calibration`` says which
+    text the data-aware bases measure (default: :class:`CalibrationOptions`); measurements
+    are cached on disk. With the ``calibrated`` schedule, a data-aware basis and no
+    ``key_fraction``, the key/value split is measured too (``lorc_fx.split_search``).
+    ``rope="auto"`` plans both RoPE modes (:func:`rope_modes`) and keeps the one with the
+    lower held-out calibration loss; without calibration, ``commute``. Caching keys before
+    RoPE lets a data-aware key basis ignore the rotation (bench/quality.md: much better on
+    SmolLM2), but the cache then keeps the angles too, which a small model's budget may not
+    repay. The plan's options record the basis and mode used.
+    """
+    if blocks is None:
+        from .analysis import analyze
+        blocks = analyze(model)
+    modes = rope_modes(rope, model, blocks)
+    options = PlanOptions(cache_fraction=cache_fraction, schedule=schedule, rope=modes[0],
+                          basis=basis, skip_threshold=skip_threshold, keep_first=keep_first,
+                          rank_multiple=rank_multiple, key_fraction=key_fraction,
+                          calibration=calibration or CalibrationOptions())
+    planned, refused = [], []
+    for mode in modes:
+        try:
+            planned.append(_plan_mode(model, blocks, replace(options, rope=mode), len(modes) > 1))
+        except UnreachableFraction as err:
+            refused.append(err)
+    if not planned:
+        raise refused[0]
+    if any(loss is None for _, loss in planned):  # nothing measured: the first mode
+        return planned[0][0]
+    return min(planned, key=lambda p: p[1])[0]

@@ -60,13 +60,13 @@ def whitened(model, blocks, options) -> dict[int, LayerMetric]:
 
 
 def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
-    """Keys: RoPE-commuting basis of the score metric (post-RoPE keys ⊗ queries); values:
-    attention-averaged values, with the per-token value moment ``W_v G W_vᵀ`` beside them. Where the latent is taken before RoPE (``rope='reconstruct'``)
-    the probe's post-RoPE statistics do not apply: keys then use the input-whitened
-    spectrum, scaled to the total error the attention metric assigns them."""
+    """Keys: the score metric (keys ⊗ queries): a RoPE-commuting basis of post-RoPE keys,
+    or, where the latent is taken before RoPE (``rope='reconstruct'``), the oblique basis of
+    the rotation-averaged query metric; values: attention-averaged values, with the
+    per-token value moment ``W_v G W_vᵀ`` beside them."""
     from .calibration import layer_statistics
-    from .metrics import attention_key_spectrum, attention_value_spectrum, relative
-    from .spectra import real_spectrum
+    from .metrics import (attention_key_spectrum, attention_pre_rope_key_spectrum,
+                          attention_value_spectrum)
 
     stats = layer_statistics(model, blocks, options.calibration)
     params = named_params(model)
@@ -80,11 +80,12 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
                 f"{type(model).__name__} does not route attention through transformers' "
                 "AttentionInterface, so the 'attention' basis cannot measure it; use "
                 "basis='whitened'")
-        keys = attention_key_spectrum(s.attention, block.num_kv_heads, block.head_dim,
-                                      block.rope_k)
+        shape = (block.num_kv_heads, block.head_dim, block.rope_k)
         if block.rope_k.style != "none" and options.rope == "reconstruct":
-            pre_rope = relative(real_spectrum(block.k.weight_tensor(params).detach(), s.input_gram))
-            keys = Spectrum(pre_rope.rows, pre_rope.energy * float(keys.energy.sum()), pre_rope.cuts)
+            w_k = block.k.weight_tensor(params).detach()
+            keys = attention_pre_rope_key_spectrum(s.attention, w_k, s.input_gram, *shape)
+        else:
+            keys = attention_key_spectrum(s.attention, *shape)
         w_v = block.v.weight_tensor(params).detach().to(torch.float64)
         out[block.layer] = LayerMetric(
             input_gram=s.input_gram, k_spectrum=keys,

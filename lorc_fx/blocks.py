@@ -126,5 +126,16 @@ class AttentionBlock:
         return asdict(self)
 
 
+def attention_module(model: nn.Module, block: AttentionBlock) -> nn.Module:
+    """The module that owns both the query and the output projection of a block."""
+    q, o = block.q.weight.split("."), block.o.weight.split(".")
+    common = []
+    for a, b in zip(q, o):
+        if a != b:
+            break
+        common.append(a)
+    return model.get_submodule(".".join(common))
+
+
 def named_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters(remove_duplicate=False))

@@ -21,16 +21,18 @@ from .rotary import rotate
 
 
 class RotaryLog:
-    """``cos``/``sin`` of every cached token, shared by a cache's pre-RoPE layers.
+    """The RoPE angles of every cached token, shared by a cache's pre-RoPE layers.
 
-    The attention modules hand the angles of the incoming tokens to ``pending`` (a forward
-    pre-hook set up by ``compress``); the first pre-RoPE layer to update appends them.
+    The attention modules hand the ``(cos, sin)`` of the incoming tokens to ``pending`` (a
+    forward pre-hook set up by ``compress``); the first pre-RoPE layer to update appends
+    them. transformers repeats each frequency's value over its pair (``cat(f, f)`` for
+    rotate-half, ``repeat_interleave(f, 2)`` for interleaved), so one value per pair is kept.
     """
 
     def __init__(self, style: str, max_cache_len: int | None = None):
         self.style, self.max_cache_len = style, max_cache_len
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.cos = self.sin = None
+        self.cos = self.sin = None  # (b, n, rotary_dim / 2)
 
     def incoming(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pending is None:
@@ -39,8 +41,14 @@ class RotaryLog:
                 "did not receive `position_embeddings=(cos, sin)`; use rope='commute'")
         return self.pending
 
+    def _per_pair(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., : x.shape[-1] // 2] if self.style == "half" else x[..., 0::2]
+
+    def _per_dim(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((x, x), dim=-1) if self.style == "half" else x.repeat_interleave(2, -1)
+
     def append(self, positions: torch.Tensor | None) -> None:
-        cos, sin = self.incoming()
+        cos, sin = (self._per_pair(x) for x in self.incoming())
         if self.cos is None:
             if self.max_cache_len is None:
                 self.cos, self.sin = cos[:, :0], sin[:, :0]
@@ -54,6 +62,10 @@ class RotaryLog:
             self.cos.index_copy_(1, positions, cos)
             self.sin.index_copy_(1, positions, sin)
 
+    def angles(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of the first ``length`` cached tokens, one value per head dim."""
+        return self._per_dim(self.cos[:, :length]), self._per_dim(self.sin[:, :length])
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.cos, self.sin) if t is not None]
 
@@ -62,8 +74,9 @@ class RotaryLog:
 class LayerBases:
     """One layer's bases, ``(r, h_kv*d)`` each; ``None`` keeps that side full width.
 
-    ``rope_style`` is set for keys cached before RoPE (``reconstruct`` mode); the cache then
-    hands the layer its shared ``rotary`` log.
+    Latents are ``basis·k``, rebuilt as ``rebuildᵀ·latent`` (``rebuild`` defaults to the
+    basis: orthonormal rows). ``rope_style`` is set for keys cached before RoPE
+    (``reconstruct`` mode); the cache then hands the layer its shared ``rotary`` log.
     """
 
     k_basis: torch.Tensor | None
@@ -71,10 +84,17 @@ class LayerBases:
     num_kv_heads: int
     rope_style: str | None = None
     rotary: RotaryLog | None = None
+    k_rebuild: torch.Tensor | None = None
+    v_rebuild: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.k_rebuild = self.k_basis if self.k_rebuild is None else self.k_rebuild
+        self.v_rebuild = self.v_basis if self.v_rebuild is None else self.v_rebuild
 
     def to(self, like: torch.Tensor) -> "LayerBases":
         cast = lambda b: None if b is None else b.to(device=like.device, dtype=like.dtype)
-        return replace(self, k_basis=cast(self.k_basis), v_basis=cast(self.v_basis))
+        return replace(self, k_basis=cast(self.k_basis), v_basis=cast(self.v_basis),
+                       k_rebuild=cast(self.k_rebuild), v_rebuild=cast(self.v_rebuild))
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor):
         if self.rotary is not None and self.k_basis is not None:
@@ -85,11 +105,10 @@ class LayerBases:
         return k, v
 
     def expand(self, keys: torch.Tensor, values: torch.Tensor):
-        k = keys if self.k_basis is None else reconstruct(keys, self.k_basis, self.num_kv_heads)
-        v = values if self.v_basis is None else reconstruct(values, self.v_basis, self.num_kv_heads)
+        k = keys if self.k_basis is None else reconstruct(keys, self.k_rebuild, self.num_kv_heads)
+        v = values if self.v_basis is None else reconstruct(values, self.v_rebuild, self.num_kv_heads)
         if self.rotary is not None and self.k_basis is not None:
-            n = k.shape[-2]
-            k = rotate(k, self.rotary.cos[:, :n], self.rotary.sin[:, :n], self.rotary.style)
+            k = rotate(k, *self.rotary.angles(k.shape[-2]), self.rotary.style)
         return k, v
 
 
@@ -104,6 +123,10 @@ class LatentDynamicLayer(DynamicLayer):
     def lazy_initialization(self, key_states, value_states):
         self.bases = self.bases.to(key_states)
         super().lazy_initialization(key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        """Tokens cached, read off the seq axis (a plan may keep a zero-wide latent)."""
+        return self.keys.shape[-2] if self.is_initialized else 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:

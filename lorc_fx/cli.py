@@ -23,7 +23,9 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
         p.add_argument("--basis", default="auto",
                        help="auto (attention where calibration is possible, else weight) | "
                             "attention | whitened | norm | weight (the paper)")
-    p.add_argument("--rope", default="commute", help="commute | reconstruct")
+    p.add_argument("--rope", default="auto",
+                   help="auto (reconstruct where the model hands attention its RoPE angles) | "
+                        "reconstruct (cache keys before RoPE) | commute (after it)")
     p.add_argument("--skip-threshold", type=float, default=None,
                    help="layers whose cumulative condition number exceeds this stay full")
     p.add_argument("--keep-first", type=int, default=0, help="the first N layers stay full")
@@ -213,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fractions", default="0.8,0.7,0.6,0.5")
     p.add_argument("--configs", default="weight:progressive,weight:uniform,whitened:uniform,"
                                         "whitened:calibrated,attention:greedy,attention:calibrated",
-                   help="comma-separated basis:schedule pairs")
+                   help="comma-separated basis:schedule[:rope] configs (rope: else --rope)")
     p.add_argument("--texts", default="news,austen")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per text, in windows")
     p.add_argument("--window", type=int, default=512)

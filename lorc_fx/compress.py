@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from transformers.cache_utils import DynamicCache, StaticCache
 
 from .api import plan as make_plan
-from .blocks import AttentionBlock
+from .blocks import AttentionBlock, attention_module
 from .cache import LatentCache, LayerBases
 from .plan import Plan
 
@@ -21,15 +23,9 @@ class CompressionReport:
     dtype_bytes: int = 4
 
     def cache_bytes_per_token(self) -> tuple[int, int]:
-        """(full, compressed) K+V cache bytes per token per sequence, all planned layers.
-
-        In ``reconstruct`` mode the compressed figure includes the RoPE angles the cache
-        keeps once for all layers (``cos`` and ``sin``, ``rotary_dim`` each).
-        """
+        """(full, compressed) cache bytes per token per sequence, all planned layers; in
+        ``reconstruct`` mode the compressed figure includes the RoPE angle log."""
         full, kept = self.plan.cache_elements_per_token()
-        rotary = [l.rope.rotary_dim for l in self.plan.layers
-                  if l.k_latent_of == "pre_rope" and not l.skipped and l.k_compressible]
-        kept += 2 * max(rotary) if rotary else 0
         return full * self.dtype_bytes, kept * self.dtype_bytes
 
     def to_json(self) -> dict:
@@ -60,7 +56,9 @@ def layer_bases(plan: Plan) -> dict[int, LayerBases]:
         if not l.skipped:
             bases[l.layer] = LayerBases(
                 l.k_basis if l.k_compressible else None, l.v_basis if l.v_compressible else None,
-                l.num_kv_heads, l.rope.style if l.k_latent_of == "pre_rope" else None)
+                l.num_kv_heads, l.rope.style if l.k_latent_of == "pre_rope" else None,
+                k_rebuild=l.k_rebuild if l.k_compressible else None,
+                v_rebuild=l.v_rebuild if l.v_compressible else None)
     return bases
 
 
@@ -72,17 +70,6 @@ def latent_cache(model: nn.Module, max_cache_len: int | None = None) -> LatentCa
     return LatentCache.from_cache(base, model._lorc_bases)
 
 
-def _attention_module(model: nn.Module, block: AttentionBlock) -> nn.Module:
-    """The module that owns both the query and the output projection of a block."""
-    q, o = block.q.weight.split("."), block.o.weight.split(".")
-    common = []
-    for a, b in zip(q, o):
-        if a != b:
-            break
-        common.append(a)
-    return model.get_submodule(".".join(common))
-
-
 def _hand_angles_to_cache(module, args, kwargs):
     """Forward pre-hook: give a latent cache the RoPE angles of the incoming tokens."""
     cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, LatentCache)), None)
@@ -91,14 +78,24 @@ def _hand_angles_to_cache(module, args, kwargs):
         cache.rotary.pending = angles
 
 
-def _install_angle_hooks(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
-    for handle in getattr(model, "_lorc_hooks", []):
-        handle.remove()
-    pre_rope = {l.layer for l in plan.layers if l.k_latent_of == "pre_rope" and not l.skipped}
-    model._lorc_hooks = [
-        _attention_module(model, b).register_forward_pre_hook(_hand_angles_to_cache,
-                                                              with_kwargs=True)
-        for b in blocks if b.layer in pre_rope]
+def _angle_hooks(model: nn.Module, blocks: list[AttentionBlock],
+                 bases: dict[int, LayerBases]) -> list[RemovableHandle]:
+    """Pre-hooks on the attention of every layer whose keys are cached before RoPE."""
+    return [attention_module(model, b).register_forward_pre_hook(_hand_angles_to_cache,
+                                                                  with_kwargs=True)
+            for b in blocks if b.layer in bases and bases[b.layer].rope_style]
+
+
+@contextmanager
+def angles_handed(model: nn.Module, blocks: list[AttentionBlock],
+                  bases: dict[int, LayerBases]):
+    """Within the block, latent caches built from ``bases`` receive their RoPE angles."""
+    handles = _angle_hooks(model, blocks, bases)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _prepare_latent_cache(self, generation_config, model_kwargs, *args, **kwargs):
@@ -123,7 +120,9 @@ def compress(model: nn.Module, cache_fraction: float = 0.6, *,
     plan = make_plan(model, cache_fraction, blocks=blocks, **plan_options)
     model._lorc_plan = plan
     model._lorc_bases = layer_bases(plan)
-    _install_angle_hooks(model, plan, blocks)
+    for handle in getattr(model, "_lorc_hooks", []):
+        handle.remove()
+    model._lorc_hooks = _angle_hooks(model, blocks, model._lorc_bases)
     model._prepare_cache_for_generation = types.MethodType(_prepare_latent_cache, model)
     dtype = next(model.parameters()).dtype
     unsupported = [(b.layer, b.reason) for b in blocks if not b.supported]

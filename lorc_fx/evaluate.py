@@ -66,6 +66,8 @@ def evaluation_windows(tokenizer, text: str, tokens: int, window: int) -> torch.
 
 def prompts_from(tokenizer, text: str, count: int) -> list[torch.Tensor]:
     """The first ``PROMPT_TOKENS`` tokens of ``count`` evenly spaced evaluation paragraphs."""
+    if count == 0:
+        return []
     paragraphs = [p for p in evaluation_part(text).split("\n\n")
                   if len(tokenizer(p).input_ids) >= PROMPT_TOKENS]
     picked = paragraphs[:: max(1, len(paragraphs) // count)][:count]

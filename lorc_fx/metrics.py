@@ -11,11 +11,13 @@ must be in one unit:
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .attention_probe import AttentionMoments
 from .blocks import RopeLayout
-from .spectra import Spectrum, real_spectrum, rope_commuting_spectrum
+from .spectra import Spectrum, real_spectrum, rope_commuting_spectrum, weighted_spectrum
 
 _JITTER = 1e-10
 
@@ -23,8 +25,7 @@ _JITTER = 1e-10
 def relative(spectrum: Spectrum) -> Spectrum:
     """The same rows with energies as shares of the total."""
     total = float(spectrum.energy.sum())
-    return Spectrum(spectrum.rows, spectrum.energy / total if total > 0 else spectrum.energy,
-                    spectrum.cuts)
+    return replace(spectrum, energy=spectrum.energy / total if total > 0 else spectrum.energy)
 
 
 def _sqrt_and_inverse_sqrt(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +66,8 @@ def ranked(spectrum: Spectrum, cost: torch.Tensor) -> Spectrum:
     flags = [True]
     for a, b in units:
         flags += [False] * (b - a - 1) + [True]
-    return Spectrum(spectrum.rows[order], energy.to(torch.float64), torch.tensor(flags))
+    rebuild = None if spectrum.rebuild_rows is None else spectrum.rebuild_rows[order]
+    return Spectrum(spectrum.rows[order], energy.to(torch.float64), torch.tensor(flags), rebuild)
 
 
 def attention_key_spectrum(m: AttentionMoments, num_kv_heads: int, head_dim: int,
@@ -77,6 +79,34 @@ def attention_key_spectrum(m: AttentionMoments, num_kv_heads: int, head_dim: int
                 if rope.style != "none" else real_spectrum(metric))
     cost = m.scale ** 2 * _quadratic(spectrum.rows, m.queries) * _quadratic(spectrum.rows, m.keys)
     return ranked(spectrum, cost / m.output_energy)
+
+
+def rotation_averaged_query_energy(queries: torch.Tensor, num_kv_heads: int, head_dim: int,
+                                   rope: RopeLayout) -> torch.Tensor:
+    """Diagonal of the (group-summed) query moment averaged over the rotations RoPE puts
+    between a query and a key: both dims of a rotary pair get the pair's mean, pass-through
+    dims keep their own."""
+    energy = queries.diagonal().clone().reshape(num_kv_heads, head_dim)
+    for a, b in rope.pairs():
+        energy[:, a] = energy[:, b] = (energy[:, a] + energy[:, b]) / 2
+    return energy.reshape(-1)
+
+
+def attention_pre_rope_key_spectrum(m: AttentionMoments, weight: torch.Tensor,
+                                    gram: torch.Tensor, num_kv_heads: int, head_dim: int,
+                                    rope: RopeLayout) -> Spectrum:
+    """Key basis for keys cached before RoPE (``rope='reconstruct'``).
+
+    A pre-RoPE key error ``e`` moves a score by ``qᵀ R e``, ``R`` the rotation between the
+    two positions; averaged over rotations its energy is ``eᵀ diag(q̄²) e``, so the basis is
+    the oblique one that minimises the query-weighted key error (``weighted_spectrum``).
+    Energies are scaled to the total error the post-RoPE score metric assigns keys, the
+    unit values are ranked in.
+    """
+    spectrum = relative(weighted_spectrum(
+        weight, gram, rotation_averaged_query_energy(m.queries, num_kv_heads, head_dim, rope)))
+    total = float(attention_key_spectrum(m, num_kv_heads, head_dim, rope).energy.sum())
+    return replace(spectrum, energy=spectrum.energy * total)
 
 
 def attention_value_spectrum(m: AttentionMoments, head_dim: int,

@@ -90,8 +90,10 @@ class LayerPlan:
     head_dim: int
     rope: RopeLayout
     k_latent_of: str  # "post_rope" keys (commute / no RoPE) or "pre_rope" keys (reconstruct)
-    k_basis: torch.Tensor = field(repr=False)  # (k_rank, k_full) orthonormal rows, float64
+    k_basis: torch.Tensor = field(repr=False)  # (k_rank, k_full) latent rows P, float64
     v_basis: torch.Tensor = field(repr=False)
+    k_rebuild: torch.Tensor = field(repr=False)  # (k_rank, k_full) rows B: keys ≈ Bᵀ·(P·keys)
+    v_rebuild: torch.Tensor = field(repr=False)
     k_energy_kept: float = 1.0  # share of the spectrum's energy the basis keeps
     v_energy_kept: float = 1.0
     k_compressible: bool = True  # False: keys stay raw (e.g. a norm between projection and cache)
@@ -117,15 +119,18 @@ class Plan:
     options: PlanOptions
     reachable: tuple[float, float]
 
+    rotary_log: int = 0  # elements per token of the RoPE angles a reconstruct-mode cache keeps
+
     @property
     def cache_fraction(self) -> float:
-        kept = sum(l.k_rank + l.v_rank for l in self.layers)
-        return kept / sum(l.k_full + l.v_full for l in self.layers)
+        full, kept = self.cache_elements_per_token()
+        return kept / full
 
     def cache_elements_per_token(self) -> tuple[int, int]:
-        """(full, compressed) K+V elements the cache holds per token, all layers."""
+        """(full, compressed) elements the cache holds per token, all layers: K+V, or
+        latents plus the RoPE angle log."""
         full = sum(l.k_full + l.v_full for l in self.layers)
-        return full, sum(l.k_rank + l.v_rank for l in self.layers)
+        return full, sum(l.k_rank + l.v_rank for l in self.layers) + self.rotary_log
 
     def to_json(self) -> dict:
         return {
@@ -169,6 +174,21 @@ def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[flo
     return out[::-1]
 
 
+def _rotary_log(layers: list[LayerInput], compress_k: list[bool], options: PlanOptions) -> int:
+    """Elements per token of the RoPE angles a cache keeps once for all its pre-RoPE latents
+    (``cos`` and ``sin`` per rotary pair)."""
+    if options.rope != "reconstruct":
+        return 0
+    dims = [l.rope.rotary_dim for l, c in zip(layers, compress_k) if c and l.rope.style != "none"]
+    return max(dims, default=0)
+
+
+def latent_fraction(cache_fraction: float, rotary_log: int, full: int) -> float:
+    """What latents may fill of a requested cache fraction: the RoPE angle log counts against
+    it, except at 1.0, which keeps every dim (the identity plan)."""
+    return cache_fraction - rotary_log / full if cache_fraction < 1.0 else cache_fraction
+
+
 def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
     """Bases and ranks for every layer (pure; deterministic)."""
     kappa_k = [condition_number(l.k_weight) for l in layers]
@@ -181,12 +201,15 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
     ]
     k_spectra = [_key_spectrum(l, options.rope) for l in layers]
     v_spectra = [_value_spectrum(l) for l in layers]
+    compress_k = [l.compress_k and not s for l, s in zip(layers, skipped)]
+    rotary_log = _rotary_log(layers, compress_k, options)
+    full = sum(k.width + v.width for k, v in zip(k_spectra, v_spectra))
+    overhead = options.cache_fraction - latent_fraction(options.cache_fraction, rotary_log, full)
     inp = ScheduleInput(
-        k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum,
-        compress_k=[l.compress_k and not s for l, s in zip(layers, skipped)],
+        k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum, compress_k=compress_k,
         compress_v=[l.compress_v and not s for l, s in zip(layers, skipped)],
-        cache_fraction=options.cache_fraction, rank_multiple=options.rank_multiple,
-        key_fraction=options.key_fraction)
+        cache_fraction=options.cache_fraction - overhead, rank_multiple=options.rank_multiple,
+        key_fraction=options.key_fraction, overhead_fraction=overhead)
     allocation = SCHEDULES[options.schedule](inp)
 
     plans = []
@@ -199,6 +222,7 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
             num_kv_heads=l.num_kv_heads, head_dim=l.head_dim, rope=l.rope,
             k_latent_of="pre_rope" if rotated and options.rope == "reconstruct" else "post_rope",
             k_basis=ks.basis(kr), v_basis=vs.basis(vr),
+            k_rebuild=ks.rebuild(kr), v_rebuild=vs.rebuild(vr),
             k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),
             k_compressible=l.compress_k, v_compressible=l.compress_v, note=l.note))
-    return Plan(plans, options, (allocation.lowest_fraction, 1.0))
+    return Plan(plans, options, (allocation.lowest_fraction + overhead, 1.0), rotary_log)

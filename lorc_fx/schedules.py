@@ -24,9 +24,10 @@ class ScheduleInput:
     log_kappa_cum: list[float]
     compress_k: list[bool]  # False: that layer's keys stay full width
     compress_v: list[bool]
-    cache_fraction: float
+    cache_fraction: float  # of the K/V widths, for latents (the plan pays its overhead first)
     rank_multiple: int
     key_fraction: float | None = None  # the calibrated schedule's key/value split
+    overhead_fraction: float = 0.0  # what the cache holds besides latents, said in messages
 
     @property
     def full_width(self) -> int:
@@ -76,8 +77,9 @@ def check_reachable(inp: ScheduleInput, lowest: float, name: str) -> None:
     step = inp.rank_multiple / inp.full_width
     if inp.cache_fraction < lowest - step:
         raise UnreachableFraction(
-            f"cache fraction {inp.cache_fraction:.3f} is out of reach of the {name} schedule "
-            f"on this model: it reaches [{lowest:.3f}, 1.000] with the skipped layers kept; "
+            f"cache fraction {inp.cache_fraction + inp.overhead_fraction:.3f} is out of reach "
+            f"of the {name} schedule on this model: it reaches "
+            f"[{lowest + inp.overhead_fraction:.3f}, 1.000] with the skipped layers kept; "
             "ask for a fraction in that range, or use another schedule")
 
 

@@ -1,10 +1,11 @@
-"""Orthonormal bases of a projection's output space, ranked by the energy they keep.
+"""Bases of a projection's output space, ranked by the energy they keep.
 
 A layer's cache latent is ``P·k`` for a basis ``P`` whose rows are a prefix of a
-:class:`Spectrum`. Every basis we build (weight-only SVD, activation-whitened SVD, the
-RoPE-commuting complex basis) is a spectrum of this form; they differ only in the input
-metric ``G`` (``E[x xᵀ]`` of the projection input, identity for weight-only SVD) and in
-whether directions must stay invariant under RoPE.
+:class:`Spectrum`, rebuilt as ``Bᵀ·(P·k)``. Most bases we build (weight-only SVD,
+activation-whitened SVD, the RoPE-commuting complex basis) are orthonormal, ``B = P``; they
+differ only in the input metric ``G`` (``E[x xᵀ]`` of the projection input, identity for
+weight-only SVD) and in whether directions must stay invariant under RoPE. A basis chosen
+under an output metric too (:func:`weighted_spectrum`) is oblique: ``B ≠ P``, ``B Pᵀ = I``.
 """
 from __future__ import annotations
 
@@ -20,16 +21,17 @@ _JITTER = 1e-10
 
 @dataclass
 class Spectrum:
-    """Rows of an orthonormal basis, most important first.
+    """Rows of a basis, most important first.
 
     ``energy[i]`` is the expected squared norm row ``i`` keeps of the projected input under
     the input metric; ``cuts[r]`` says whether the first ``r`` rows form a valid basis
     (a RoPE-commuting basis cannot split the real/imaginary pair of a complex direction).
     """
 
-    rows: torch.Tensor  # (width, width) float64, orthonormal rows
+    rows: torch.Tensor  # (width, width) float64: P, orthonormal unless rebuild_rows is set
     energy: torch.Tensor  # (width,) float64, non-increasing
     cuts: torch.Tensor  # (width + 1,) bool
+    rebuild_rows: torch.Tensor | None = None  # B of an oblique basis (B Pᵀ = I); None: B = P
 
     @property
     def width(self) -> int:
@@ -39,6 +41,12 @@ class Spectrum:
         if rank not in self.valid_ranks:
             raise ValueError(f"rank {rank} splits a complex direction of a RoPE-commuting basis")
         return self.rows[:rank]
+
+    def rebuild(self, rank: int) -> torch.Tensor:
+        """The rows whose transpose maps a rank-``rank`` latent back to the projection's
+        output space."""
+        rows = self.rows if self.rebuild_rows is None else self.rebuild_rows
+        return rows[:self.basis(rank).shape[0]]
 
     def dropped_energy(self, rank: int) -> float:
         return float(self.energy[rank:].sum())
@@ -93,6 +101,19 @@ def real_spectrum(weight: torch.Tensor, gram: torch.Tensor | None = None) -> Spe
     """Left singular vectors of ``W·S``: the best rank-r output subspaces under metric ``G``."""
     u, energy = _left_singular(_metric_weight(weight, gram))
     return Spectrum(u.T.contiguous(), energy, torch.ones(weight.shape[0] + 1, dtype=torch.bool))
+
+
+def weighted_spectrum(weight: torch.Tensor, gram: torch.Tensor | None,
+                      output_weights: torch.Tensor) -> Spectrum:
+    """The best rank-r reconstructions of ``W·x`` under input metric ``G`` and the diagonal
+    output metric ``M = diag(output_weights)``: with ``M^½ W S = U Σ Vᵀ``, latent rows
+    ``P = Uᵀ M^½`` and rebuild rows ``B = Uᵀ M^-½``, so ``Bᵣᵀ Pᵣ = M^-½ Uᵣ Uᵣᵀ M^½`` (an
+    oblique projection) minimises ``E‖M^½ (W x − Bᵣᵀ Pᵣ W x)‖²``; ``energy`` is ``σ²``."""
+    m = output_weights.to(torch.float64).clamp_min(_JITTER * float(output_weights.max()))
+    u, energy = _left_singular(m.sqrt()[:, None] * _metric_weight(weight, gram))
+    return Spectrum((u.T * m.sqrt()).contiguous(), energy,
+                    torch.ones(weight.shape[0] + 1, dtype=torch.bool),
+                    (u.T * m.rsqrt()).contiguous())
 
 
 def rope_commuting_spectrum(

@@ -20,31 +20,36 @@ from torch import nn
 from .blocks import AttentionBlock
 from .calibration import model_tokenizer, calibration_windows, model_fingerprint
 from .models import user_cache_dir
-from .plan import LayerInput, PlanOptions, plan_layers
+from .plan import LayerInput, Plan, PlanOptions, latent_fraction, plan_layers
 
+_FORMAT = 4  # bump when the bases change: cached splits were measured with the old ones
 SEARCH_TOKENS = 2048  # 4 windows of 512: the losses of neighbouring splits differ by ~0.01 nat
 
 
 @torch.no_grad()
-def calibration_loss(model: nn.Module, bases: dict | None, windows: torch.Tensor) -> float:
-    """Mean next-token loss over ``windows``; with ``bases``, through a latent cache."""
+def calibration_loss(model: nn.Module, bases: dict | None, windows: torch.Tensor,
+                     blocks: list[AttentionBlock] = ()) -> float:
+    """Mean next-token loss over ``windows``; with ``bases`` (of ``blocks``), through a latent
+    cache."""
     from transformers.cache_utils import DynamicCache
 
     from .cache import LatentCache
+    from .compress import angles_handed
 
     device = next(model.parameters()).device
     config = model.config.get_text_config(decoder=True)
     total, count = 0.0, 0
-    for batch in windows.split(2):
-        batch = batch.to(device)
-        kwargs = {"use_cache": False}
-        if bases is not None:
-            kwargs = {"use_cache": True,
-                      "past_key_values": LatentCache.from_cache(DynamicCache(config=config), bases)}
-        logits = model(batch, **kwargs).logits[:, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
-        count += batch[:, 1:].numel()
+    with angles_handed(model, blocks, bases or {}):
+        for batch in windows.split(2):
+            batch = batch.to(device)
+            kwargs = {"use_cache": False}
+            if bases is not None:
+                cache = LatentCache.from_cache(DynamicCache(config=config), bases)
+                kwargs = {"use_cache": True, "past_key_values": cache}
+            logits = model(batch, **kwargs).logits[:, :-1].float()
+            total += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
+            count += batch[:, 1:].numel()
     return total / count
 
 
@@ -53,45 +58,60 @@ def _grid(inputs: list[LayerInput], options: PlanOptions) -> list[float]:
     plan skips stay full)."""
     from .allocation import feasible_key_fractions
 
-    layers = plan_layers(inputs, options).layers
+    plan = plan_layers(inputs, options)
+    layers = plan.layers
+    full, _ = plan.cache_elements_per_token()
     lo, hi = feasible_key_fractions(
         [l.k_full for l in layers], [l.v_full for l in layers],
         [l.k_compressible and not l.skipped for l in layers],
-        [l.v_compressible and not l.skipped for l in layers], options.cache_fraction)
+        [l.v_compressible and not l.skipped for l in layers],
+        latent_fraction(options.cache_fraction, plan.rotary_log, full))
     step = options.rank_multiple / max(l.k_full for l in layers)
     return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
 
 
 def _cache_file(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions):
-    key = json.dumps({"model": model_fingerprint(model),
+    key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
                       "k_weights": [b.k.weight for b in blocks if b.supported],
                       "options": asdict(replace(options, key_fraction=None))},
                      sort_keys=True, default=str)
     return user_cache_dir() / "calibration" / f"split-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
-def measured_key_fraction(model: nn.Module, blocks: list[AttentionBlock],
-                          inputs: list[LayerInput], options: PlanOptions,
-                          tokenizer=None) -> float:
-    """The key fraction on the rank grid with the least calibration loss."""
+def held_out_windows(model: nn.Module, options: PlanOptions, tokenizer=None) -> torch.Tensor:
+    """Calibration windows the bases were not measured on (another seed)."""
+    return calibration_windows(
+        tokenizer or model_tokenizer(model),
+        replace(options.calibration, tokens=min(SEARCH_TOKENS, options.calibration.tokens),
+                seed=options.calibration.seed + 1))
+
+
+def held_out_loss(model: nn.Module, blocks: list[AttentionBlock], plan: Plan) -> float:
+    """The model's loss through a latent cache of ``plan`` on held-out calibration windows."""
+    from .compress import layer_bases
+
+    return calibration_loss(model, layer_bases(plan), held_out_windows(model, plan.options), blocks)
+
+
+def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[LayerInput],
+                   options: PlanOptions, tokenizer=None) -> tuple[float, float]:
+    """The key fraction on the rank grid with the least held-out loss, and that loss."""
     from .compress import layer_bases
 
     path = _cache_file(model, blocks, options)
     if path.is_file():
-        return json.loads(path.read_text())["key_fraction"]
+        cached = json.loads(path.read_text())
+        return cached["key_fraction"], cached["loss"]
     grid = _grid(inputs, options)
     if not grid:  # the fraction is out of reach: let the plan say so
-        return options.cache_fraction
-    windows = calibration_windows(
-        tokenizer or model_tokenizer(model),
-        replace(options.calibration, tokens=min(SEARCH_TOKENS, options.calibration.tokens),
-                seed=options.calibration.seed + 1))
+        return options.cache_fraction, math.inf
+    windows = held_out_windows(model, options, tokenizer)
     losses: dict[int, float] = {}
 
     def loss(i: int) -> float:
         if i not in losses:
             plan = plan_layers(inputs, replace(options, key_fraction=grid[i]))
-            losses[i] = calibration_loss(model, layer_bases(plan), windows)
+            losses[i] = calibration_loss(model, layer_bases(plan), windows, blocks)
         return losses[i]
 
     lo, hi = 0, len(grid) - 1
@@ -106,7 +126,7 @@ def measured_key_fraction(model: nn.Module, blocks: list[AttentionBlock],
             lo = a
     best = min(range(lo, hi + 1), key=loss)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key_fraction": grid[best],
+    path.write_text(json.dumps({"key_fraction": grid[best], "loss": losses[best],
                                 "losses": {f"{grid[i]:.4f}": v for i, v in sorted(losses.items())}},
                                indent=1))
-    return grid[best]
+    return grid[best], losses[best]

@@ -17,20 +17,26 @@ from .schedules import UnreachableFraction
 class Config:
     basis: str
     schedule: str
+    rope: str | None = None  # None: the sweep's plan options decide
 
     @property
     def label(self) -> str:
-        return f"{self.basis}/{self.schedule}"
+        return "/".join(filter(None, (self.basis, self.schedule, self.rope)))
+
+    def plan_options(self, common: dict) -> dict:
+        rope = {"rope": self.rope} if self.rope else {}
+        return {**common, "basis": self.basis, "schedule": self.schedule, **rope}
 
 
 def parse_configs(text: str) -> list[Config]:
-    """``"weight:progressive,attention:calibrated"`` -> configs."""
+    """``"weight:progressive,attention:calibrated:commute"`` -> configs
+    (``basis:schedule[:rope]``)."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
-        basis, _, schedule = item.partition(":")
-        if not schedule:
-            raise ValueError(f"config {item!r}: write it as basis:schedule")
-        out.append(Config(basis, schedule))
+        parts = item.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"config {item!r}: write it as basis:schedule[:rope]")
+        out.append(Config(*parts))
     return out
 
 
@@ -68,23 +74,25 @@ def run_sweep(model: nn.Module, tokenizer, blocks, texts: dict[str, str], fracti
         result = {"settings": settings, "ppl_full": full, "tokens": tokens, "window": window,
                   "rows": []}
     full, rows = result["ppl_full"], result["rows"]
-    done = {(r["basis"], r["schedule"], r["requested"]) for r in rows}
+    done = {(r["config"], r["requested"]) for r in rows}
     bar = tqdm(total=len(configs) * len(fractions), disable=not progress, desc="sweep")
     for config in configs:
         for fraction in fractions:
             bar.set_postfix_str(f"{config.label} {fraction:g}")
-            if (config.basis, config.schedule, fraction) in done:
+            if (config.label, fraction) in done:
                 bar.update()
                 continue
-            row = {"basis": config.basis, "schedule": config.schedule, "requested": fraction}
+            row = {"config": config.label, "basis": config.basis, "schedule": config.schedule,
+                   "requested": fraction}
             start = time.perf_counter()
             try:
-                report = compress(model, fraction, blocks=blocks, basis=config.basis,
-                                  schedule=config.schedule, **(plan_options or {}))
+                report = compress(model, fraction, blocks=blocks,
+                                  **config.plan_options(plan_options or {}))
             except UnreachableFraction as err:
                 row["error"] = str(err)
             else:
                 row["cache_fraction"] = report.plan.cache_fraction
+                row["rope"] = report.plan.options.rope
                 row["key_fraction"] = report.plan.options.key_fraction
                 row["ppl"] = {name: score_windows(model, w, True).ppl for name, w in windows.items()}
                 row["ratio"] = {name: row["ppl"][name] / full[name] for name in windows}
@@ -104,13 +112,13 @@ def plot_sweep(result: dict, path: str) -> None:
 
     texts = list(result["ppl_full"])
     fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
-    labels = sorted({(r["basis"], r["schedule"]) for r in result["rows"]})
+    labels = sorted({r["config"] for r in result["rows"]})
     for ax, text in zip(axes[0], texts):
-        for basis, schedule in labels:
+        for label in labels:
             pts = sorted((r["cache_fraction"], r["ppl"][text]) for r in result["rows"]
-                         if (r["basis"], r["schedule"]) == (basis, schedule) and "ppl" in r)
+                         if r["config"] == label and "ppl" in r)
             if pts:
-                ax.plot(*zip(*pts), "o-", label=f"{basis}/{schedule}")
+                ax.plot(*zip(*pts), "o-", label=label)
         ax.axhline(result["ppl_full"][text], color="black", ls=":", label="full cache")
         ax.set_yscale("log")
         ax.set_xlabel("cache fraction kept")

@@ -32,17 +32,20 @@ def _graph_params(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]
     return {n.name: x for n, x in zip(placeholders, example_inputs) if isinstance(x, nn.Parameter)}
 
 
-def _splice(gm: fx.GraphModule, states: fx.Node, basis: torch.Tensor, num_kv_heads: int,
-            name: str) -> None:
-    """Route every use of ``states`` through its rank-r reconstruction."""
+def _splice(gm: fx.GraphModule, states: fx.Node, basis: torch.Tensor, rebuild: torch.Tensor,
+            num_kv_heads: int, name: str) -> None:
+    """Route every use of ``states`` through its rank-r reconstruction ``rebuildᵀ·basis·states``."""
     gm.register_buffer(name, basis)
+    gm.register_buffer(f"{name}_rebuild", rebuild)
     users = list(states.users)
     with gm.graph.inserting_after(states):
         basis_node = gm.graph.get_attr(name)
     with gm.graph.inserting_after(basis_node):
+        rebuild_node = gm.graph.get_attr(f"{name}_rebuild")
+    with gm.graph.inserting_after(rebuild_node):
         latent = gm.graph.call_function(PROJECT, (states, basis_node))
     with gm.graph.inserting_after(latent):
-        rebuilt = gm.graph.call_function(RECONSTRUCT, (latent, basis_node, num_kv_heads))
+        rebuilt = gm.graph.call_function(RECONSTRUCT, (latent, rebuild_node, num_kv_heads))
     for user in users:
         user.replace_input_with(states, rebuilt)
 
@@ -83,9 +86,11 @@ def compress_attention(gm: fx.GraphModule, example_inputs, options: PlanOptions)
         dtype = m.key_states.meta["example_value"].dtype
         keys = m.key_pre_rope if layer.k_latent_of == "pre_rope" else m.key_states
         if layer.k_compressible:
-            _splice(gm, keys, layer.k_basis.to(dtype), m.num_kv_heads, f"_lorc_k_basis_{i}")
+            _splice(gm, keys, layer.k_basis.to(dtype), layer.k_rebuild.to(dtype), m.num_kv_heads,
+                    f"_lorc_k_basis_{i}")
         if layer.v_compressible:
-            _splice(gm, m.value_states, layer.v_basis.to(dtype), m.num_kv_heads, f"_lorc_v_basis_{i}")
+            _splice(gm, m.value_states, layer.v_basis.to(dtype), layer.v_rebuild.to(dtype),
+                    m.num_kv_heads, f"_lorc_v_basis_{i}")
         result.compressed.append(i)
     gm.graph.lint()
     gm.recompile()

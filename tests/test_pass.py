@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from lorc_fx.backend import lorc_backend
 from lorc_fx.cache import LatentCache
 from lorc_fx.compress import compress, latent_cache
+from lorc_fx.schedules import UnreachableFraction
 from families import FAMILIES, architectures, build, config_for
 from pass_helpers import assert_same_generation, compiled, generate, prompt
 
@@ -53,7 +54,13 @@ def test_compressed_compiled_matches_eager_latent_and_cache_shrinks(arch, rope, 
     _, config = arch
     model = build(config, seed)
     ids, mask = prompt(seed=seed)
-    report = compress(model, fraction, schedule="uniform", rope=rope, rank_multiple=1)
+    try:
+        report = compress(model, fraction, schedule="uniform", rope=rope, rank_multiple=1)
+    except UnreachableFraction:  # the RoPE angle log alone can outweigh a tiny model's budget
+        assert rope == "reconstruct"
+        lowest = compress(model, 1.0, rope=rope).plan.cache_elements_per_token()
+        assert fraction < lowest[1] / lowest[0] - 1  # the angles' share of the cache
+        return
     eager = generate(model, ids, mask, cache)
     with compiled(model, REWRITE_ONLY):
         got = generate(model, ids, mask, cache)

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from lorc_fx.blocks import RopeLayout
 from lorc_fx.plan import LayerInput, PlanOptions, plan_layers
 from lorc_fx.schedules import UnreachableFraction
-from lorc_fx.spectra import real_spectrum, rope_commuting_spectrum
+from lorc_fx.spectra import real_spectrum, rope_commuting_spectrum, weighted_spectrum
 from rope_ref import rotate
 
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -68,6 +68,31 @@ def test_progressive_ranks_never_increase_and_meet_fraction(seed, n_layers, kv_h
 
 
 @SETTINGS
+@given(rows=st.integers(2, 16), cols=st.integers(2, 16), seed=st.integers(0, 10_000),
+       data=st.data())
+def test_weighted_spectrum_is_the_best_reconstruction_under_its_metrics(rows, cols, seed, data):
+    """The oblique basis rebuilds exactly at full rank, its error under ``diag(m)`` and ``G``
+    is the dropped energy, and no orthonormal rank-r basis (here: the input-whitened SVD,
+    the best one for ``m = 1``) does better under that metric."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen, dtype=torch.float64)
+    a = torch.randn(cols, cols, generator=gen, dtype=torch.float64)
+    gram = a @ a.T + 0.1 * torch.eye(cols, dtype=torch.float64)
+    m = torch.logspace(-2, 2, rows, dtype=torch.float64)[torch.randperm(rows, generator=gen)]
+    spectrum = weighted_spectrum(w, gram, m)
+    torch.testing.assert_close(spectrum.rebuild(rows) @ spectrum.basis(rows).T,
+                               torch.eye(rows, dtype=torch.float64))
+    r = data.draw(st.integers(0, rows))
+    root = torch.linalg.cholesky(gram)
+    error = lambda projector: float((m.sqrt()[:, None] * ((torch.eye(rows, dtype=torch.float64)
+                                                            - projector) @ w @ root)).square().sum())
+    ours = error(spectrum.rebuild(r).T @ spectrum.basis(r))
+    assert ours == pytest.approx(spectrum.dropped_energy(r), rel=1e-6, abs=1e-9)
+    plain = real_spectrum(w, gram).basis(r)
+    assert ours <= error(plain.T @ plain) * (1 + 1e-9) + 1e-9
+
+
+@SETTINGS
 @given(seed=st.integers(0, 10_000), fraction=st.floats(0.05, 1.0), rope=ropes)
 def test_uniform_meets_fraction(seed, fraction, rope):
     layers = random_layers(seed, 4, 2, 8, 32, rope)
@@ -80,7 +105,9 @@ def test_uniform_meets_fraction(seed, fraction, rope):
 def test_full_fraction_gives_identity_projections(rope_mode, schedule):
     layers = random_layers(1, 3, 2, 8, 32, RopeLayout("half", 8))
     plan = plan_layers(layers, PlanOptions(1.0, schedule, rope_mode))
-    assert plan.cache_fraction == 1.0
+    full, kept = plan.cache_elements_per_token()  # every dim, and in reconstruct mode the angles
+    assert plan.rotary_log == (8 if rope_mode == "reconstruct" else 0)
+    assert kept == full + plan.rotary_log
     for l in plan.layers:
         for basis, full in ((l.k_basis, l.k_full), (l.v_basis, l.v_full)):
             torch.testing.assert_close(basis.T @ basis, torch.eye(full, dtype=torch.float64))

@@ -235,6 +235,42 @@ def test_evaluate_is_exact_at_full_fraction(loaded):
     assert result.top1_agreement > 0.99 and result.generation["exact_match"] == 1.0
 
 
+def test_pre_rope_attention_keys_are_oblique_and_exact_through_cache_and_graph(loaded):
+    """Keys cached before RoPE get the query-weighted oblique basis (rebuild rows ≠ latent
+    rows). At full rank the latent cache reproduces the model; below it the compiled rewrite
+    reads the same latents as the eager cache."""
+    from lorc_fx.backend import lorc_backend
+    from lorc_fx.compress import compress, latent_cache
+
+    model, tok, blocks, text = loaded
+    ids = calibration.calibration_windows(tok, calib(text))[:2, :32]
+    options = dict(rope="reconstruct", basis="attention", calibration=calib(text), blocks=blocks)
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        plan = compress(model, 1.0, **options).plan
+        assert not torch.allclose(plan.layers[0].k_rebuild, plan.layers[0].k_basis)
+        full = model(ids, past_key_values=latent_cache(model), use_cache=True).logits
+        torch.testing.assert_close(full, expected, atol=1e-4, rtol=1e-4)
+
+        compress(model, 0.75, **options)
+        eager = model(ids, past_key_values=latent_cache(model), use_cache=True).logits
+        torch._dynamo.reset()
+        rewritten = torch.compile(model, backend=lorc_backend.with_options(inductor=False))
+        got = rewritten(ids, past_key_values=latent_cache(model), use_cache=True).logits
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-4)
+    assert (got - expected).abs().max() > 1e-3  # below full rank something was dropped
+
+
+def test_auto_rope_keeps_the_mode_with_the_lower_held_out_loss(loaded):
+    from lorc_fx.split_search import held_out_loss
+
+    model, tok, blocks, text = loaded
+    chosen = plan(model, 0.75, calibration=calib(text), blocks=blocks)
+    other = plan(model, 0.75, calibration=calib(text), blocks=blocks,
+                 rope={"commute": "reconstruct", "reconstruct": "commute"}[chosen.options.rope])
+    assert held_out_loss(model, blocks, chosen) <= held_out_loss(model, blocks, other)
+
+
 def test_default_plan_beats_the_paper_on_data_error(loaded):
     """The default (attention basis, calibrated split) keeps the calibration loss closer to
     the full model's than the paper's weight SVD with its progressive schedule."""
@@ -247,8 +283,8 @@ def test_default_plan_beats_the_paper_on_data_error(loaded):
     paper = plan(model, 0.5, basis="weight", schedule="progressive", blocks=blocks)
     ours = plan(model, 0.5, calibration=calib(text), blocks=blocks)
     assert ours.options.key_fraction is not None
-    assert (calibration_loss(model, layer_bases(ours), windows) - full
-            < calibration_loss(model, layer_bases(paper), windows) - full)
+    assert (calibration_loss(model, layer_bases(ours), windows, blocks) - full
+            < calibration_loss(model, layer_bases(paper), windows, blocks) - full)
 
 
 def test_cli_eval_writes_the_json_keys(loaded, tmp_path):
@@ -287,10 +323,10 @@ def test_sweep_writes_rows_as_it_goes_and_resumes(loaded, tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_default_options_keep_news_perplexity_on_the_real_model():
-    """Default options at fraction 0.8 on held-out news, through the latent cache. The goal
-    is x1.03; on 8192 tokens the default reaches x1.034 (bench/quality.md), so this guards
-    the x1.05 we reliably reach. Under 2 min with the calibration cached; its first run
-    calibrates (~2.5 min on 2 cores) and measures the key/value split (~45 s)."""
+    """Default options at fraction 0.8 on held-out news, through the latent cache: the goal
+    of x1.03 (measured: x1.0077 on 8192 tokens, x1.0070 on these 2048). Under 2 min with the
+    calibration cached; its first run calibrates (~2.5 min on 2 cores) and measures the
+    key/value split for both RoPE modes (~1.5 min)."""
     from lorc_fx.compress import compress
     from lorc_fx.evaluate import EvalOptions, evaluate
     from lorc_fx.models import ModelNotFoundError, load_model, load_tokenizer
@@ -303,5 +339,5 @@ def test_default_options_keep_news_perplexity_on_the_real_model():
     compress(model, 0.8)
     result = evaluate(model, tok, load_text("news"), EvalOptions(tokens=2048, prompts=1,
                                                                 new_tokens=8))
-    assert result.ppl_ratio <= 1.05
-    assert result.top1_agreement > 0.8
+    assert result.ppl_ratio <= 1.03
+    assert result.top1_agreement > 0.85
