@@ -87,11 +87,13 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     planned, refused = [], []
     for mode in modes:
         try:
-            planned.append(_plan_mode(model, blocks, replace(options, rope=mode), len(modes) > 1))
+            result, loss = _plan_mode(model, blocks, replace(options, rope=mode), len(modes) > 1)
         except UnreachableFraction as err:
             refused.append(err)
+            continue
+        if loss is None:  # nothing to compare on: the first mode that plans
+            return result
+        planned.append((loss, result))
     if not planned:
         raise refused[0]
-    if any(loss is None for _, loss in planned):  # nothing measured: the first mode
-        return planned[0][0]
-    return min(planned, key=lambda p: p[1])[0]
+    return min(planned, key=lambda p: p[0])[1]

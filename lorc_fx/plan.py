@@ -132,6 +132,12 @@ class Plan:
         full = sum(l.k_full + l.v_full for l in self.layers)
         return full, sum(l.k_rank + l.v_rank for l in self.layers) + self.rotary_log
 
+    @property
+    def latent_budget(self) -> float:
+        """The share of the full K/V width the requested fraction leaves to latents."""
+        full, _ = self.cache_elements_per_token()
+        return latent_fraction(self.options.cache_fraction, self.rotary_log, full)
+
     def to_json(self) -> dict:
         return {
             "cache_fraction": self.cache_fraction,
@@ -204,11 +210,12 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
     compress_k = [l.compress_k and not s for l, s in zip(layers, skipped)]
     rotary_log = _rotary_log(layers, compress_k, options)
     full = sum(k.width + v.width for k, v in zip(k_spectra, v_spectra))
-    overhead = options.cache_fraction - latent_fraction(options.cache_fraction, rotary_log, full)
+    latent = latent_fraction(options.cache_fraction, rotary_log, full)
+    overhead = options.cache_fraction - latent
     inp = ScheduleInput(
         k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum, compress_k=compress_k,
         compress_v=[l.compress_v and not s for l, s in zip(layers, skipped)],
-        cache_fraction=options.cache_fraction - overhead, rank_multiple=options.rank_multiple,
+        cache_fraction=latent, rank_multiple=options.rank_multiple,
         key_fraction=options.key_fraction, overhead_fraction=overhead)
     allocation = SCHEDULES[options.schedule](inp)
 

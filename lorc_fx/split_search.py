@@ -20,17 +20,17 @@ from torch import nn
 from .blocks import AttentionBlock
 from .calibration import model_tokenizer, calibration_windows, model_fingerprint
 from .models import user_cache_dir
-from .plan import LayerInput, Plan, PlanOptions, latent_fraction, plan_layers
+from .plan import LayerInput, Plan, PlanOptions, plan_layers
 
 _FORMAT = 4  # bump when the bases change: cached splits were measured with the old ones
 SEARCH_TOKENS = 2048  # 4 windows of 512: the losses of neighbouring splits differ by ~0.01 nat
 
 
 @torch.no_grad()
-def calibration_loss(model: nn.Module, bases: dict | None, windows: torch.Tensor,
-                     blocks: list[AttentionBlock] = ()) -> float:
-    """Mean next-token loss over ``windows``; with ``bases`` (of ``blocks``), through a latent
-    cache."""
+def calibration_loss(model: nn.Module, blocks: list[AttentionBlock], bases: dict | None,
+                     windows: torch.Tensor) -> float:
+    """Mean next-token loss over ``windows``; with ``bases`` (of ``blocks``, whose attention
+    hands pre-RoPE latents their angles), through a latent cache."""
     from transformers.cache_utils import DynamicCache
 
     from .cache import LatentCache
@@ -60,12 +60,10 @@ def _grid(inputs: list[LayerInput], options: PlanOptions) -> list[float]:
 
     plan = plan_layers(inputs, options)
     layers = plan.layers
-    full, _ = plan.cache_elements_per_token()
     lo, hi = feasible_key_fractions(
         [l.k_full for l in layers], [l.v_full for l in layers],
         [l.k_compressible and not l.skipped for l in layers],
-        [l.v_compressible and not l.skipped for l in layers],
-        latent_fraction(options.cache_fraction, plan.rotary_log, full))
+        [l.v_compressible and not l.skipped for l in layers], plan.latent_budget)
     step = options.rank_multiple / max(l.k_full for l in layers)
     return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
 
@@ -90,7 +88,7 @@ def held_out_loss(model: nn.Module, blocks: list[AttentionBlock], plan: Plan) ->
     """The model's loss through a latent cache of ``plan`` on held-out calibration windows."""
     from .compress import layer_bases
 
-    return calibration_loss(model, layer_bases(plan), held_out_windows(model, plan.options), blocks)
+    return calibration_loss(model, blocks, layer_bases(plan), held_out_windows(model, plan.options))
 
 
 def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[LayerInput],
@@ -111,7 +109,7 @@ def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[
     def loss(i: int) -> float:
         if i not in losses:
             plan = plan_layers(inputs, replace(options, key_fraction=grid[i]))
-            losses[i] = calibration_loss(model, layer_bases(plan), windows, blocks)
+            losses[i] = calibration_loss(model, blocks, layer_bases(plan), windows)
         return losses[i]
 
     lo, hi = 0, len(grid) - 1

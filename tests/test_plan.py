@@ -6,24 +6,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from lorc_fx.blocks import RopeLayout
-from lorc_fx.plan import LayerInput, PlanOptions, plan_layers
+from lorc_fx.plan import PlanOptions, plan_layers
 from lorc_fx.schedules import UnreachableFraction
 from lorc_fx.spectra import real_spectrum, rope_commuting_spectrum, weighted_spectrum
+from plan_inputs import random_layers
 from rope_ref import rotate
 
 SETTINGS = settings(max_examples=25, deadline=None)
-
-
-def random_layers(seed: int, n_layers: int, kv_heads: int, head_dim: int, hidden: int,
-                  rope: RopeLayout) -> list[LayerInput]:
-    gen = torch.Generator().manual_seed(seed)
-    layers = []
-    for i in range(n_layers):
-        # a per-layer spread of singular values, so condition numbers differ by layer
-        scale = torch.logspace(0, 1 + i % 3, hidden, dtype=torch.float64)
-        mix = lambda: torch.randn(kv_heads * head_dim, hidden, generator=gen, dtype=torch.float64) * scale
-        layers.append(LayerInput(i, mix(), mix(), kv_heads * 2, kv_heads, head_dim, rope))
-    return layers
 
 
 ropes = st.sampled_from([RopeLayout(), RopeLayout("half", 8), RopeLayout("interleaved", 8),

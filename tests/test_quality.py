@@ -15,11 +15,11 @@ from hypothesis import given, settings, strategies as st
 
 from lorc_fx import calibration
 from lorc_fx.api import plan
-from lorc_fx.blocks import RopeLayout
 from lorc_fx.cache import LayerBases
 from lorc_fx.calibration import CalibrationOptions, calibration_part, collect, evaluation_part
-from lorc_fx.plan import LayerInput, PlanOptions, plan_layers
+from lorc_fx.plan import PlanOptions, plan_layers
 from lorc_fx.schedules import UnreachableFraction
+from plan_inputs import random_layers
 
 WORDS = [f"w{i}" for i in range(120)]
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 16, 64
@@ -175,17 +175,6 @@ def test_probe_leaves_attention_unchanged_and_value_error_is_exact(loaded):
         assert measured == pytest.approx(predicted, rel=2e-3, abs=1e-9)
 
 
-def random_layers(seed, n_layers=4, kv_heads=2, head_dim=8, hidden=32):
-    gen = torch.Generator().manual_seed(seed)
-    rope = RopeLayout("half", head_dim)
-    out = []
-    for i in range(n_layers):
-        scale = torch.logspace(0, 1 + i % 3, hidden, dtype=torch.float64)
-        mix = lambda: torch.randn(kv_heads * head_dim, hidden, generator=gen, dtype=torch.float64) * scale
-        out.append(LayerInput(i, mix(), mix(), kv_heads * 2, kv_heads, head_dim, rope))
-    return out
-
-
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), schedule=st.sampled_from(["greedy", "calibrated"]),
        multiple=st.sampled_from([2, 4, 8]),
@@ -279,12 +268,12 @@ def test_default_plan_beats_the_paper_on_data_error(loaded):
 
     model, tok, blocks, text = loaded
     windows = calibration.calibration_windows(tok, calib(text))
-    full = calibration_loss(model, None, windows)
+    full = calibration_loss(model, blocks, None, windows)
     paper = plan(model, 0.5, basis="weight", schedule="progressive", blocks=blocks)
     ours = plan(model, 0.5, calibration=calib(text), blocks=blocks)
     assert ours.options.key_fraction is not None
-    assert (calibration_loss(model, layer_bases(ours), windows, blocks) - full
-            < calibration_loss(model, layer_bases(paper), windows, blocks) - full)
+    assert (calibration_loss(model, blocks, layer_bases(ours), windows) - full
+            < calibration_loss(model, blocks, layer_bases(paper), windows) - full)
 
 
 def test_cli_eval_writes_the_json_keys(loaded, tmp_path):
