@@ -25,8 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lorc_fx.absorbed import head_blocks, latent_attention  # noqa: E402
-from lorc_fx.latent_ops import reconstruct_math  # noqa: E402
+from lorc_fx.compile.latent_attention import head_blocks, latent_attention  # noqa: E402
+from lorc_fx.cache.latent_ops import reconstruct_math  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 9, 3, 64, 576
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,12 +1,12 @@
 """lorc_fx: low-rank KV cache compression (LoRC) as a torch.compile pass."""
 from .analysis import analyze
-from .api import plan
-from .backend import lorc_backend
-from .compress import CompressionReport, compress, latent_cache
-from .models import load_model, load_tokenizer
-from .plan import Plan, PlanOptions
-from .schedules import UnreachableFraction
-from .texts import load_text
+from .api import compress, plan
+from .cache import latent_cache
+from .compile import lorc_backend
+from .data.models import load_model, load_tokenizer
+from .data.texts import load_text
+from .plan import Plan, PlanOptions, UnreachableFraction
+from .report import CompressionReport
 
 __all__ = ["analyze", "plan", "lorc_backend", "compress", "latent_cache", "CompressionReport",
            "load_model", "load_tokenizer", "load_text", "Plan", "PlanOptions",

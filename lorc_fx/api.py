@@ -1,17 +1,25 @@
-"""Model-level entry points: analyse a model's attention, then plan its ranks."""
+"""The user's entry points: ``analyze`` a model's attention, ``plan`` its ranks, ``compress`` it.
+
+Orchestration only: each stage's work lives in its package (``analysis`` → ``plan`` →
+``cache``); what is measured through the real latent cache (the key/value split, the RoPE
+mode) in ``search``."""
 from __future__ import annotations
 
 import inspect
 from dataclasses import replace
 
+import torch
 from torch import nn
 
-from .bases import resolve
-from .blocks import AttentionBlock, attention_module, named_params
-from .calibration import CalibrationOptions
-from .layers import layer_inputs
-from .plan import Plan, PlanOptions, plan_layers
-from .schedules import UnreachableFraction
+from lorc_fx.analysis import analyze
+from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
+from lorc_fx.cache import install
+from lorc_fx.plan.bases import resolve
+from lorc_fx.plan.options import CalibrationOptions, PlanOptions
+from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
+from lorc_fx.plan.schedules import UnreachableFraction
+from lorc_fx.report import CompressionReport
+from lorc_fx.search.split import held_out_loss, measured_split
 
 # bases measured on calibration text; with them the calibrated schedule measures its split too
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
@@ -49,8 +57,6 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
             layer.k_spectrum, layer.v_spectrum = metric.k_spectrum, metric.v_spectrum
     if basis not in CALIBRATED_BASES:
         return plan_layers(inputs, options), None
-    from .split_search import held_out_loss, measured_split
-
     if options.schedule == "calibrated" and options.key_fraction is None:
         key_fraction, loss = measured_split(model, blocks, inputs, options)
         return plan_layers(inputs, replace(options, key_fraction=key_fraction)), loss
@@ -66,10 +72,10 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V cache.
 
     ``blocks`` defaults to :func:`lorc_fx.analyze` of the model. ``basis="auto"`` picks the
-    best basis calibration allows (``lorc_fx.bases.resolve``); ``calibration`` says which
+    best basis calibration allows (``lorc_fx.plan.bases.resolve``); ``calibration`` says which
     text the data-aware bases measure (default: :class:`CalibrationOptions`); measurements
     are cached on disk. With the ``calibrated`` schedule, a data-aware basis and no
-    ``key_fraction``, the key/value split is measured too (``lorc_fx.split_search``).
+    ``key_fraction``, the key/value split is measured too (``lorc_fx.search.split``).
     ``rope="auto"`` plans both RoPE modes (:func:`rope_modes`) and keeps the one with the
     lower held-out calibration loss; without calibration, ``commute``. Caching keys before
     RoPE lets a data-aware key basis ignore the rotation (bench/quality.md: much better on
@@ -77,7 +83,6 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     repay. The plan's options record the basis and mode used.
     """
     if blocks is None:
-        from .analysis import analyze
         blocks = analyze(model)
     modes = rope_modes(rope, model, blocks)
     options = PlanOptions(cache_fraction=cache_fraction, schedule=schedule, rope=modes[0],
@@ -97,3 +102,19 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     if not planned:
         raise refused[0]
     return min(planned, key=lambda p: p[0])[1]
+
+
+def compress(model: nn.Module, cache_fraction: float = 0.6, *,
+             blocks: list[AttentionBlock] | None = None, **plan_options) -> CompressionReport:
+    """Plan LoRC ranks for ``model`` and make its ``generate`` use a latent KV cache.
+
+    Returns a report: per-layer ranks, cache bytes per token full vs compressed, and the
+    attention blocks left uncompressed with the reason.
+    """
+    if blocks is None:
+        blocks = analyze(model)
+    planned = plan(model, cache_fraction, blocks=blocks, **plan_options)
+    install(model, planned, blocks)
+    dtype = next(model.parameters()).dtype
+    unsupported = [(b.layer, b.reason) for b in blocks if not b.supported]
+    return CompressionReport(planned, unsupported, torch.empty((), dtype=dtype).element_size())

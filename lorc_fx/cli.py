@@ -40,7 +40,7 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
-    from .calibration import CalibrationOptions
+    from lorc_fx.plan.calibration import CalibrationOptions
 
     kwargs = dict(rope=args.rope, skip_threshold=args.skip_threshold, keep_first=args.keep_first,
                   rank_multiple=args.rank_multiple, key_fraction=args.key_fraction,
@@ -61,9 +61,9 @@ def _write_json(path: str, data) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from .api import plan
-    from .models import load_model
-    from .report import plan_table, plot_plan
+    from lorc_fx.api import plan
+    from lorc_fx.data.models import load_model
+    from lorc_fx.report import plan_table, plot_plan
 
     start = time.perf_counter()
     model = load_model(args.model)
@@ -79,8 +79,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_analyze(args: argparse.Namespace) -> None:
-    from .analysis import analyze, blocks_table, blocks_to_json
-    from .models import load_model
+    from lorc_fx.analysis import analyze
+    from lorc_fx.report import blocks_table, blocks_to_json
+    from lorc_fx.data.models import load_model
 
     blocks = analyze(load_model(args.model))
     print(blocks_table(blocks))
@@ -99,11 +100,11 @@ def _machine() -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .analysis import analyze
-    from .compress import compress
-    from .evaluate import EvalOptions, evaluate
-    from .models import load_model, load_tokenizer
-    from .texts import load_text
+    from lorc_fx.analysis import analyze
+    from lorc_fx.api import compress
+    from lorc_fx.eval.evaluate import EvalOptions, evaluate
+    from lorc_fx.data.models import load_model, load_tokenizer
+    from lorc_fx.data.texts import load_text
 
     start = time.perf_counter()
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
@@ -142,10 +143,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
-    from .analysis import analyze
-    from .models import load_model, load_tokenizer
-    from .sweep import parse_configs, plot_sweep, run_sweep
-    from .texts import load_text
+    from lorc_fx.analysis import analyze
+    from lorc_fx.data.models import load_model, load_tokenizer
+    from lorc_fx.eval.sweep import parse_configs, plot_sweep, run_sweep
+    from lorc_fx.data.texts import load_text
 
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
     texts = {name: load_text(name) for name in args.texts.split(",")}
@@ -164,7 +165,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from .demo import run_demo
+    from lorc_fx.eval.demo import run_demo
 
     kwargs = _plan_kwargs(args)
     run_demo(kwargs.pop("cache_fraction"), args.out, kwargs, tokens=args.tokens,
@@ -172,7 +173,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_fetch_austen(args: argparse.Namespace) -> None:
-    from .texts import fetch_austen
+    from lorc_fx.data.texts import fetch_austen
 
     print(f"Austen novels ready in {fetch_austen()}")
 

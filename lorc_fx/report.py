@@ -1,7 +1,11 @@
-"""Human-readable views of a plan: a per-layer table and a PNG."""
+"""What the user reads: the analysis as a table or JSON, a plan as a table or PNG, and
+``compress``'s report."""
 from __future__ import annotations
 
-from .plan import Plan
+from dataclasses import dataclass, field
+
+from lorc_fx.analysis.records import AttentionBlock, Projection, RopeLayout
+from lorc_fx.plan.planner import Plan
 
 
 def plan_table(plan: Plan) -> str:
@@ -42,3 +46,66 @@ def plot_plan(plan: Plan, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+@dataclass
+class CompressionReport:
+    plan: Plan
+    unsupported: list[tuple[int, str]] = field(default_factory=list)  # (layer, why)
+    dtype_bytes: int = 4
+
+    def cache_bytes_per_token(self) -> tuple[int, int]:
+        """(full, compressed) cache bytes per token per sequence, all planned layers; in
+        ``reconstruct`` mode the compressed figure includes the RoPE angle log."""
+        full, kept = self.plan.cache_elements_per_token()
+        return full * self.dtype_bytes, kept * self.dtype_bytes
+
+    def to_json(self) -> dict:
+        full, kept = self.cache_bytes_per_token()
+        return {**self.plan.to_json(), "cache_bytes_per_token_full": full,
+                "cache_bytes_per_token_compressed": kept,
+                "unsupported": [{"layer": l, "reason": r} for l, r in self.unsupported]}
+
+    def __str__(self) -> str:
+        full, kept = self.cache_bytes_per_token()
+        lines = [plan_table(self.plan),
+                 f"cache bytes per token: {full} full, {kept} compressed ({kept / full:.3f})"]
+        lines += [f"layer {l} left uncompressed: {r}" for l, r in self.unsupported]
+        return "\n".join(lines)
+
+
+def blocks_to_json(blocks: list[AttentionBlock]) -> list[dict]:
+    return [b.to_json() for b in blocks]
+
+
+def _proj(p: Projection | None) -> str:
+    if p is None:
+        return "-"
+    rows = f"[{p.start}:{p.stop}]" if p.rows is None else f"[{p.width} rows in {p.start}:{p.stop}]"
+    return f"{p.weight}{'^T' if p.transposed else ''}{rows}"
+
+
+def _rope(r: RopeLayout) -> str:
+    return "-" if r.style == "none" else f"{r.style}/{r.rotary_dim}"
+
+
+_COLUMNS = ("layer", "ok", "heads/kv/dim", "rope q", "rope k", "scale", "k_path", "op",
+            "q", "k", "v", "o", "reason")
+
+
+def blocks_table(blocks: list[AttentionBlock]) -> str:
+    """A fixed-width text table, one row per block."""
+    rows = [_COLUMNS]
+    for b in blocks:
+        rows.append((
+            str(b.layer), "yes" if b.supported else "NO",
+            f"{b.num_heads}/{b.num_kv_heads}/{b.head_dim}", _rope(b.rope_q), _rope(b.rope_k),
+            "-" if b.scale is None else f"{b.scale:.4g}", b.k_path, b.attention_op,
+            _proj(b.q), _proj(b.k), _proj(b.v), _proj(b.o), b.reason or b.notes.get("o", ""),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if not blocks:
+        lines.append("(no attention found)")
+    return "\n".join(lines)

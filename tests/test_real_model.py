@@ -4,7 +4,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import lorc_fx
-from lorc_fx.models import ModelNotFoundError
+from lorc_fx.data.models import ModelNotFoundError
 
 pytestmark = pytest.mark.slow
 

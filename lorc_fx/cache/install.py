@@ -1,0 +1,75 @@
+"""Make a model's ``generate`` build a latent cache, and hand pre-RoPE latents their angles.
+
+``install(model, plan, blocks)`` is all ``lorc_fx.compress`` changes on a model: it keeps
+the plan on the model, wraps ``_prepare_cache_for_generation`` so the fresh
+``DynamicCache``/``StaticCache`` that ``generate`` builds becomes a :class:`LatentCache`,
+and, for keys cached before RoPE, puts a forward pre-hook on each attention module that
+hands the cache the step's ``(cos, sin)``.
+"""
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from transformers.cache_utils import DynamicCache, StaticCache
+
+from lorc_fx.analysis.records import AttentionBlock, attention_module
+from lorc_fx.plan.planner import Plan
+
+from .latent_cache import LatentCache
+
+
+def latent_cache(model: nn.Module, max_cache_len: int | None = None) -> LatentCache:
+    """A fresh latent cache for a compressed model (dynamic, or static with ``max_cache_len``)."""
+    config = model.config.get_text_config(decoder=True)
+    base = (DynamicCache(config=config) if max_cache_len is None
+            else StaticCache(config=config, max_cache_len=max_cache_len))
+    return LatentCache.from_cache(base, model._lorc_plan)
+
+
+def _hand_angles_to_cache(module, args, kwargs):
+    """Forward pre-hook: give a latent cache the RoPE angles of the incoming tokens."""
+    cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, LatentCache)), None)
+    angles = kwargs.get("position_embeddings")
+    if cache is not None and cache.rotary is not None and angles is not None:
+        cache.rotary.pending = angles
+
+
+def _angle_hooks(model: nn.Module, blocks: list[AttentionBlock], plan: Plan) -> list[RemovableHandle]:
+    """Pre-hooks on the attention of every layer whose keys are cached before RoPE."""
+    pre_rope = {l.layer for l in plan.layers
+                if not l.skipped and l.k_compressible and l.k_latent_of == "pre_rope"}
+    return [attention_module(model, b).register_forward_pre_hook(_hand_angles_to_cache,
+                                                                  with_kwargs=True)
+            for b in blocks if b.layer in pre_rope]
+
+
+@contextmanager
+def angles_handed(model: nn.Module, blocks: list[AttentionBlock], plan: Plan | None):
+    """Within the block, latent caches of ``plan`` receive their RoPE angles."""
+    handles = _angle_hooks(model, blocks, plan) if plan is not None else []
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _prepare_latent_cache(self, generation_config, model_kwargs, *args, **kwargs):
+    """``generate``'s cache preparation, with the fresh cache swapped for a latent one."""
+    type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs)
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and not getattr(cache, "_is_user_defined", False) \
+            and type(cache) in (DynamicCache, StaticCache):
+        model_kwargs["past_key_values"] = LatentCache.from_cache(cache, self._lorc_plan)
+
+
+def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
+    """Make ``model.generate`` cache latents of ``plan`` (replacing an earlier install)."""
+    model._lorc_plan = plan
+    for handle in getattr(model, "_lorc_hooks", []):
+        handle.remove()
+    model._lorc_hooks = _angle_hooks(model, blocks, plan)
+    model._prepare_cache_for_generation = types.MethodType(_prepare_latent_cache, model)

@@ -1,0 +1,59 @@
+"""``LatentCache``: a transformers ``Cache`` of latent layers where a plan compresses a
+layer and the given layers elsewhere."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+
+from lorc_fx.plan.planner import Plan
+
+from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer
+from .rotary import RotaryLog
+
+
+def codecs(plan: Plan) -> dict[int, LatentCodec]:
+    """The codec of every layer the plan does not skip, by layer index."""
+    return {l.layer: LatentCodec.of(l) for l in plan.layers if not l.skipped}
+
+
+class LatentCache(Cache):
+    """Latent layers where a plan compresses a layer, the given layers elsewhere."""
+
+    def __init__(self, layers: list, rotary: RotaryLog | None = None):
+        super().__init__(layers=layers)
+        self.rotary = rotary
+
+    @classmethod
+    def from_cache(cls, cache: Cache, plan: Plan) -> "LatentCache":
+        """Swap each plain dynamic/static layer of a fresh ``cache`` that ``plan`` compresses."""
+        return cls.from_codecs(cache, codecs(plan))
+
+    @classmethod
+    def from_codecs(cls, cache: Cache, bases: dict[int, LatentCodec]) -> "LatentCache":
+        """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers."""
+        static = [l for l in cache.layers if type(l) is StaticLayer]
+        styles = {b.rope_style for b in bases.values() if b.rope_style}
+        rotary = None
+        if styles:
+            rotary = RotaryLog(styles.pop(), static[0].max_cache_len if static else None)
+        layers, log_owner = [], None
+        for i, layer in enumerate(cache.layers):
+            if i in bases and type(layer) in (DynamicLayer, StaticLayer):
+                b = bases[i]
+                if b.rope_style:
+                    b = replace(b, rotary=rotary)
+                    log_owner = i if log_owner is None else log_owner
+                owns = log_owner == i
+                layer = (LatentDynamicLayer(b, owns) if type(layer) is DynamicLayer
+                         else LatentStaticLayer(layer.max_cache_len, b, owns))
+            layers.append(layer)
+        return cls(layers, rotary)
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the cache's tensors (keys, values, RoPE angles), measured."""
+        tensors = [t for layer in self.layers
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+        tensors += self.rotary.tensors() if self.rotary is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

@@ -1,0 +1,56 @@
+"""Attention over a latent cache with the bases folded into query and output (absorbed form).
+
+Query head ``i`` reads kv head ``g(i) = i // (h / h_kv)``. With ``B_j`` the ``(r, d)`` block
+of basis columns of kv head ``j``, ``q·kᵀ = (B_g q)·c`` and the head output is
+``B_gᵀ (Σ p c_v)``: attention becomes multi-query attention over the latent. One-token
+decode steps on CUDA go to the Triton kernel ``lorc::latent_decode`` (reads each latent
+tile once for all heads); everything else to ``scaled_dot_product_attention``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorc_fx.kernels.ops import triton_available
+
+
+def head_blocks(basis: torch.Tensor, num_kv_heads: int, num_heads: int) -> torch.Tensor:
+    """``(r, h_kv*d)`` basis → ``(h, r, d)``: the block each query head reads."""
+    r = basis.shape[0]
+    blocks = basis.view(r, num_kv_heads, -1).transpose(0, 1)
+    return blocks.repeat_interleave(num_heads // num_kv_heads, dim=0)
+
+
+def _kernel_mask(attn_mask, batch: int, length: int) -> torch.Tensor | None:
+    """A boolean ``(b, 1, 1, n)`` mask as the kernel's ``(b, n)``; None when there is none."""
+    return None if attn_mask is None else attn_mask.expand(batch, 1, 1, length)[:, 0, 0]
+
+
+def decode_kernel_applies(query, attn_mask, dropout_p: float) -> bool:
+    """One query token, no dropout, a boolean mask or none, on CUDA with Triton."""
+    mask_ok = attn_mask is None or (attn_mask.dtype == torch.bool and attn_mask.shape[-2] == 1)
+    return (query.is_cuda and triton_available() and query.shape[2] == 1 and dropout_p == 0.0
+            and mask_ok)
+
+
+def latent_attention(query, k_latent, v_latent, k_basis, v_basis, num_kv_heads: int,
+                     attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                     scale: float | None = None, use_kernel: bool | None = None):
+    """SDPA of ``query (b, h, t, d)`` over latents ``(b, 1, n, r)``; returns ``(b, h, t, d)``.
+
+    ``use_kernel``: None picks the decode kernel where :func:`decode_kernel_applies`.
+    """
+    b, h, t, d = query.shape
+    scale = d ** -0.5 if scale is None else scale
+    q_latent = torch.einsum("bhtd,hrd->bhtr", query, head_blocks(k_basis, num_kv_heads, h))
+    if use_kernel is None:
+        use_kernel = decode_kernel_applies(query, attn_mask, dropout_p)
+    if use_kernel:
+        mask = _kernel_mask(attn_mask, b, k_latent.shape[-2])
+        out = torch.ops.lorc.latent_decode(q_latent[:, :, 0], k_latent, v_latent, scale,
+                                           mask=mask).unsqueeze(2)
+    else:
+        out = F.scaled_dot_product_attention(
+            q_latent, k_latent, v_latent, attn_mask=attn_mask, dropout_p=dropout_p,
+            is_causal=is_causal, scale=scale, enable_gqa=True)
+    return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))

@@ -1,0 +1,97 @@
+"""Compress the attention of a graph that carries no latent cache (e.g. a perplexity forward).
+
+The graph's own weights are analysed and planned; each supported attention gets
+``reconstruct(project(k))`` / ``reconstruct(project(v))`` spliced in where the keys and
+values leave their projections (after RoPE in ``commute`` mode, before it in
+``reconstruct`` mode). The absorb pass then turns that into attention over the latent.
+Attention that reads a cache of full keys is left alone: the cache's shapes belong to
+Python, so only ``lorc_fx.compress(model)`` can shrink it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from lorc_fx.analysis.attention_match import match_attention
+from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.cache.latent_ops import PROJECT, RECONSTRUCT
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
+
+
+@dataclass
+class GraphCompression:
+    plan: Plan | None = None
+    compressed: list[int] = field(default_factory=list)  # attention indices in graph order
+    left_alone: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _graph_params(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {n.name: x for n, x in zip(placeholders, example_inputs) if isinstance(x, nn.Parameter)}
+
+
+def _splice(gm: fx.GraphModule, states: fx.Node, basis: torch.Tensor, rebuild: torch.Tensor,
+            num_kv_heads: int, name: str) -> None:
+    """Route every use of ``states`` through its rank-r reconstruction ``rebuildᵀ·basis·states``."""
+    gm.register_buffer(name, basis)
+    gm.register_buffer(f"{name}_rebuild", rebuild)
+    users = list(states.users)
+    with gm.graph.inserting_after(states):
+        basis_node = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(basis_node):
+        rebuild_node = gm.graph.get_attr(f"{name}_rebuild")
+    with gm.graph.inserting_after(rebuild_node):
+        latent = gm.graph.call_function(PROJECT, (states, basis_node))
+    with gm.graph.inserting_after(latent):
+        rebuilt = gm.graph.call_function(RECONSTRUCT, (latent, rebuild_node, num_kv_heads))
+    for user in users:
+        user.replace_input_with(states, rebuilt)
+
+
+def _why_not(m: AttentionBlock, rope_mode: str) -> str | None:
+    if not m.supported:
+        return m.reason
+    if m.nodes.key_cache is not None or m.nodes.value_cache is not None:
+        return ("reads a cache of full keys/values; call lorc_fx.compress(model) before "
+                "compiling to cache latents")
+    if m.nodes.key_states is None or m.nodes.value_states is None:
+        return "keys/values not found as one tensor per KV head"
+    if rope_mode == "reconstruct" and m.rope_k.style != "none" and m.nodes.key_pre_rope is None:
+        return "keys before RoPE not located in the graph"
+    return None
+
+
+def compress_attention(gm: fx.GraphModule, example_inputs, options: PlanOptions) -> GraphCompression:
+    params = _graph_params(gm, example_inputs)
+    matches = match_attention(gm, {name: name for name in params})
+    result = GraphCompression()
+    usable = []
+    for m in matches:
+        why = _why_not(m, options.rope)
+        if why is None:
+            usable.append(m)
+        else:
+            result.left_alone.append((m.layer, why))
+    if not usable:
+        return result
+    result.plan = plan_layers(layer_inputs(params, usable), options)
+    by_layer = {l.layer: l for l in result.plan.layers}
+    for m in usable:
+        layer, nodes, i = by_layer[m.layer], m.nodes, m.layer
+        if layer.skipped:
+            continue
+        dtype = nodes.key_states.meta["example_value"].dtype
+        keys = nodes.key_pre_rope if layer.k_latent_of == "pre_rope" else nodes.key_states
+        if layer.k_compressible:
+            _splice(gm, keys, layer.k_basis.to(dtype), layer.k_rebuild.to(dtype), m.num_kv_heads,
+                    f"_lorc_k_basis_{i}")
+        if layer.v_compressible:
+            _splice(gm, nodes.value_states, layer.v_basis.to(dtype), layer.v_rebuild.to(dtype),
+                    m.num_kv_heads, f"_lorc_v_basis_{i}")
+        result.compressed.append(i)
+    gm.graph.lint()
+    gm.recompile()
+    return result

@@ -1,0 +1,166 @@
+"""Quality of a compressed model on real text, through the real compressed path.
+
+- perplexity, full cache vs latent cache: ``model(ids, past_key_values=latent_cache(model),
+  use_cache=True)`` stores ``P·k`` and gives attention ``Pᵀ·c``, so every token of a window
+  attends to compressed keys and values exactly as in decoding;
+- next-token agreement: how often the compressed model's argmax equals the full model's;
+- greedy generation from fixed prompts, uncompressed vs compressed: the share of generated
+  tokens that agree position by position, and how many continuations agree entirely;
+- cache bytes per token, from the plan and measured on the latent cache's tensors.
+
+Windows come only from the evaluation part of a text (``calibration.evaluation_part``), so
+evaluation never reads a paragraph calibration read. They are ``window`` tokens long, evenly
+spaced over that part.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from lorc_fx.plan.calibration import evaluation_part
+from lorc_fx.cache import latent_cache
+
+PROMPT_TOKENS = 24
+
+
+@dataclass
+class EvalOptions:
+    text: str = "news"
+    tokens: int = 8192  # evaluated tokens in all, in windows of ``window``
+    window: int = 512
+    prompts: int = 4  # greedy-generation prompts, taken from the evaluation text
+    new_tokens: int = 32
+    batch_size: int = 2
+    compile: bool = False  # score compiled: full cache by Inductor, latent cache by lorc_backend
+
+
+@dataclass
+class EvalResult:
+    ppl_full: float
+    ppl_compressed: float
+    top1_agreement: float  # next-token argmax, compressed vs full, over the windows
+    generation: dict
+    cache_bytes_per_token_measured: float
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def ppl_ratio(self) -> float:
+        return self.ppl_compressed / self.ppl_full
+
+
+def evaluation_windows(tokenizer, text: str, tokens: int, window: int) -> torch.Tensor:
+    """``(tokens // window, window)`` ids evenly spaced over the evaluation part of ``text``."""
+    ids = tokenizer(evaluation_part(text), return_tensors="pt").input_ids[0]
+    count = max(1, tokens // window)
+    if len(ids) < count * window:
+        raise ValueError(f"the evaluation text holds {len(ids)} tokens, fewer than {count} "
+                         f"windows of {window}")
+    step = (len(ids) - window) // max(1, count - 1) if count > 1 else 0
+    return torch.stack([ids[i * step:i * step + window] for i in range(count)])
+
+
+def prompts_from(tokenizer, text: str, count: int) -> list[torch.Tensor]:
+    """The first ``PROMPT_TOKENS`` tokens of ``count`` evenly spaced evaluation paragraphs."""
+    if count == 0:
+        return []
+    paragraphs = [p for p in evaluation_part(text).split("\n\n")
+                  if len(tokenizer(p).input_ids) >= PROMPT_TOKENS]
+    picked = paragraphs[:: max(1, len(paragraphs) // count)][:count]
+    return [tokenizer(p, return_tensors="pt").input_ids[:, :PROMPT_TOKENS] for p in picked]
+
+
+@dataclass
+class WindowScores:
+    ppl: float
+    predictions: torch.Tensor  # (windows, window - 1) argmax next tokens
+    cache_bytes_per_token: float  # measured on the latent cache; 0 for the full cache
+
+
+@torch.no_grad()
+def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
+                  batch_size: int = 2) -> WindowScores:
+    """Perplexity and greedy next-token predictions over ``windows``, through the plain
+    forward or (``compressed``) a fresh latent cache per batch."""
+    device = next(model.parameters()).device
+    total, count, cache_bytes, predictions = 0.0, 0, 0, []
+    for batch in windows.split(batch_size):
+        batch = batch.to(device)
+        if compressed:
+            cache = latent_cache(model)
+            logits = model(batch, past_key_values=cache, use_cache=True).logits
+            cache_bytes += cache.cache_bytes()
+        else:
+            logits = model(batch, use_cache=False).logits
+        logits = logits[:, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
+        count += batch[:, 1:].numel()
+        predictions.append(logits.argmax(-1).cpu())
+    return WindowScores(math.exp(total / count), torch.cat(predictions),
+                        cache_bytes / windows.numel() if compressed else 0.0)
+
+
+@torch.no_grad()
+def greedy_continuations(model: nn.Module, prompts: list[torch.Tensor], new_tokens: int,
+                         compressed: bool) -> list[list[int]]:
+    """Greedy continuations; a fresh ``DynamicCache`` keeps a compressed model's generate on
+    the full cache."""
+    device = next(model.parameters()).device
+    config = model.config.get_text_config(decoder=True)
+    out = []
+    for ids in prompts:
+        kwargs = {} if compressed else {"past_key_values": DynamicCache(config=config)}
+        seq = model.generate(ids.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, **kwargs)
+        out.append(seq[0, ids.shape[1]:].tolist())
+    return out
+
+
+def agreement(full: list[list[int]], compressed: list[list[int]]) -> dict:
+    same = sum(a == b for f, c in zip(full, compressed) for a, b in zip(f, c))
+    total = sum(len(f) for f in full)
+    prefixes = [next((i for i, (a, b) in enumerate(zip(f, c)) if a != b), len(f))
+                for f, c in zip(full, compressed)]
+    return {"token_agreement": same / total if total else 1.0,
+            "exact_match": sum(f == c for f, c in zip(full, compressed)) / len(full) if full else 1.0,
+            "mean_common_prefix": sum(prefixes) / len(prefixes) if prefixes else 0.0}
+
+
+def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None = None) -> EvalResult:
+    """Perplexity and greedy agreement of a model prepared by ``lorc_fx.compress`` (its
+    uncompressed path is the plain forward / a plain cache), on the text ``text``."""
+    options = options or EvalOptions()
+    windows = evaluation_windows(tokenizer, text, options.tokens, options.window)
+    full_runner = comp_runner = model
+    if options.compile:  # the full cache under Inductor, the latent cache under lorc_backend
+        from lorc_fx.compile.backend import lorc_backend
+        torch._dynamo.reset()
+        full_runner = torch.compile(model)
+        comp_runner = torch.compile(model, backend=lorc_backend)
+    seconds = {}
+    start = time.perf_counter()
+    full_scores = score_windows(full_runner, windows, False, options.batch_size)
+    seconds["ppl_full"] = time.perf_counter() - start
+    if options.compile:
+        torch._dynamo.reset()
+    start = time.perf_counter()
+    scores = score_windows(comp_runner, windows, True, options.batch_size)
+    seconds["ppl_compressed"] = time.perf_counter() - start
+    top1 = float((scores.predictions == full_scores.predictions).float().mean())
+
+    start = time.perf_counter()
+    prompts = prompts_from(tokenizer, text, options.prompts)
+    full = greedy_continuations(model, prompts, options.new_tokens, compressed=False)
+    comp = greedy_continuations(model, prompts, options.new_tokens, compressed=True)
+    seconds["generation"] = time.perf_counter() - start
+    generation = {
+        **agreement(full, comp), "new_tokens": options.new_tokens,
+        "samples": [{"prompt": tokenizer.decode(p[0]), "full": tokenizer.decode(f),
+                     "compressed": tokenizer.decode(c)} for p, f, c in zip(prompts, full, comp)]}
+    return EvalResult(full_scores.ppl, scores.ppl, top1, generation,
+                      scores.cache_bytes_per_token, seconds)

@@ -1,0 +1,121 @@
+"""Basis providers: what picks a layer's K/V basis and ranks its rows.
+
+A provider returns, per layer index, a :class:`LayerMetric`: an input metric ``G``
+(``E[x xᵀ]`` of the projection input, under some assumption; the plan takes the spectrum of
+``W·S`` with ``S Sᵀ = G``), or precomputed spectra. No entry: the identity, i.e. the paper's
+weight-only SVD.
+
+- ``auto`` (default): ``attention``, or ``whitened`` where attention cannot be probed, or
+  ``weight`` where no calibration is possible (:func:`resolve`);
+- ``weight``: the paper, inputs assumed isotropic;
+- ``norm``: no calibration; ``G = diag(γ²) + ββᵀ`` from the normalisation feeding K/V;
+- ``whitened``: ``G`` measured on calibration text;
+- ``attention``: data-aware on both sides: rows ranked by the first-order change of the
+  layer's attention output (``lorc_fx.metrics``), measured on calibration text.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from lorc_fx.analysis.records import AttentionBlock, named_params
+from .spectra import Spectrum
+
+if TYPE_CHECKING:
+    from .options import PlanOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerMetric:
+    input_gram: torch.Tensor | None = None
+    k_spectrum: Spectrum | None = None
+    v_spectrum: Spectrum | None = None
+
+
+BasisProvider = Callable[[nn.Module, list[AttentionBlock], "PlanOptions"], dict[int, LayerMetric]]
+
+
+def weight_only(model, blocks, options) -> dict[int, LayerMetric]:
+    """The paper: SVD of the weight itself (inputs assumed isotropic)."""
+    return {}
+
+
+def norm_scaled(model, blocks, options) -> dict[int, LayerMetric]:
+    from .norm_metric import norm_grams
+
+    return {layer: LayerMetric(input_gram=g) for layer, g in norm_grams(model, blocks).items()}
+
+
+def whitened(model, blocks, options) -> dict[int, LayerMetric]:
+    from .calibration import layer_statistics
+
+    stats = layer_statistics(model, blocks, options.calibration)
+    return {layer: LayerMetric(input_gram=s.input_gram) for layer, s in stats.items()}
+
+
+def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
+    """Keys: the score metric (keys ⊗ queries): a RoPE-commuting basis of post-RoPE keys,
+    or, where the latent is taken before RoPE (``rope='reconstruct'``), the oblique basis of
+    the rotation-averaged query metric; values: attention-averaged values, with the
+    per-token value moment ``W_v G W_vᵀ`` beside them."""
+    from .calibration import layer_statistics
+    from .metrics import (attention_key_spectrum, attention_pre_rope_key_spectrum,
+                          attention_value_spectrum)
+
+    stats = layer_statistics(model, blocks, options.calibration)
+    params = named_params(model)
+    out = {}
+    for block in blocks:
+        if not block.supported:
+            continue
+        s = stats[block.layer]
+        if s.attention is None:
+            raise ValueError(
+                f"{type(model).__name__} does not route attention through transformers' "
+                "AttentionInterface, so the 'attention' basis cannot measure it; use "
+                "basis='whitened'")
+        shape = (block.num_kv_heads, block.head_dim, block.rope_k)
+        if block.rope_k.style != "none" and options.rope == "reconstruct":
+            w_k = block.k.weight_tensor(params).detach()
+            keys = attention_pre_rope_key_spectrum(s.attention, w_k, s.input_gram, *shape)
+        else:
+            keys = attention_key_spectrum(s.attention, *shape)
+        w_v = block.v.weight_tensor(params).detach().to(torch.float64)
+        out[block.layer] = LayerMetric(
+            input_gram=s.input_gram, k_spectrum=keys,
+            v_spectrum=attention_value_spectrum(s.attention, block.head_dim,
+                                                w_v @ s.input_gram @ w_v.T))
+    return out
+
+
+def resolve(name: str, model, blocks, options) -> tuple[str, dict[int, LayerMetric]]:
+    """(basis used, its metrics). ``auto`` is ``attention`` where the model routes attention
+    through transformers' AttentionInterface, else ``whitened``; either falls back to
+    ``weight`` (logged, and the plan records the basis used) where no calibration is
+    possible: no tokenizer with the model, or a calibration text missing."""
+    if name != "auto":
+        return name, BASES[name](model, blocks, options)
+    from .attention_probe import probe_supported
+    from .calibration import CalibrationUnavailable
+
+    chosen = "attention" if probe_supported(model) else "whitened"
+    try:
+        return chosen, BASES[chosen](model, blocks, options)
+    except CalibrationUnavailable as err:
+        log.warning("basis 'auto' falls back to 'weight': %s", err)
+        return "weight", {}
+
+
+BASES: dict[str, BasisProvider] = {
+    "auto": weight_only,  # resolved by resolve(); weight-only where a model is not at hand
+    "weight": weight_only,
+    "norm": norm_scaled,
+    "whitened": whitened,
+    "attention": attention_aware,
+}

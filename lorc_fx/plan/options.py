@@ -1,0 +1,66 @@
+"""What a user can ask of the plan, checked where it enters.
+
+A leaf module: the names of the schedules and bases are listed here, and their registries
+(``schedules.SCHEDULES``, ``allocation``, ``bases.BASES``) are checked against these lists
+by the tests, so options can be validated without importing the machinery behind them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROPE_MODES = ("commute", "reconstruct")
+SCHEDULE_NAMES = ("progressive", "uniform", "greedy", "calibrated")
+BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """``tokens`` tokens in windows of ``window``, split evenly over ``texts`` (names for
+    ``lorc_fx.data.texts.load_text``), windows drawn at random (``seed``) from their
+    calibration paragraphs."""
+
+    texts: tuple[str, ...] = ("news", "austen")
+    tokens: int = 16384
+    seed: int = 0
+    window: int = 512
+
+    def __post_init__(self):
+        if isinstance(self.texts, str):
+            object.__setattr__(self, "texts", (self.texts,))
+        if not self.texts:
+            raise ValueError("calibration needs at least one text")
+        if self.tokens < 1 or self.window < 2:
+            raise ValueError(f"calibration tokens must be >= 1 and window >= 2, got "
+                             f"{self.tokens}, {self.window}")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    cache_fraction: float = 0.6
+    schedule: str = "calibrated"
+    rope: str = "commute"
+    basis: str = "auto"
+    skip_threshold: float | None = None  # layers with cumulative κ̃ above it stay full
+    keep_first: int = 0  # the first N layers stay full
+    rank_multiple: int = 8
+    key_fraction: float | None = None  # calibrated schedule: keys' kept ratio (None: measured)
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+
+    def __post_init__(self):
+        f = self.cache_fraction
+        if not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"cache_fraction must be in (0, 1], got {f!r}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {sorted(SCHEDULE_NAMES)}")
+        if self.basis not in BASIS_NAMES:
+            raise ValueError(f"unknown basis {self.basis!r}; choose from {sorted(BASIS_NAMES)}")
+        if self.rope not in ROPE_MODES:
+            raise ValueError(f"unknown rope mode {self.rope!r}; choose from {list(ROPE_MODES)}")
+        if self.skip_threshold is not None and not self.skip_threshold >= 0:
+            raise ValueError(f"skip_threshold must be a non-negative number, got {self.skip_threshold!r}")
+        if self.keep_first < 0:
+            raise ValueError(f"keep_first must be >= 0, got {self.keep_first}")
+        if self.rank_multiple < 1:
+            raise ValueError(f"rank_multiple must be >= 1, got {self.rank_multiple}")
+        if self.key_fraction is not None and not 0 <= self.key_fraction <= 1:
+            raise ValueError(f"key_fraction must be in [0, 1], got {self.key_fraction!r}")

@@ -1,0 +1,233 @@
+"""The LoRC rank plan: per-layer bases and ranks for a requested cache fraction.
+
+``plan_layers`` is a pure function of the layers' K/V weights, head and RoPE layout, the
+options and (optionally) the second moment of the projections' input; ``plan`` gathers those
+from a model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, asdict
+
+import torch
+
+from lorc_fx.analysis.records import AttentionBlock, RopeLayout
+
+from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
+from .metrics import relative
+from .options import PlanOptions
+from .schedules import SCHEDULES, ScheduleInput
+from .spectra import Spectrum, condition_number, real_spectrum, rope_commuting_spectrum
+
+@dataclass
+class LayerInput:
+    """What the plan needs to know about one attention layer."""
+
+    layer: int
+    k_weight: torch.Tensor  # (num_kv_heads * head_dim, D), nn.Linear layout
+    v_weight: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeLayout
+    compress_k: bool = True
+    compress_v: bool = True
+    note: str = ""  # why something stays full
+    input_gram: torch.Tensor | None = None  # E[x xᵀ] of the K/V projection input
+    # precomputed spectra (data-aware bases); energies in one error unit across projections
+    k_spectrum: Spectrum | None = None
+    v_spectrum: Spectrum | None = None
+
+
+def _checked_weight(block: AttentionBlock, role: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    projection = getattr(block, role)
+    weight = projection.weight_tensor(params).detach()
+    if not weight.is_floating_point():
+        raise ValueError(f"layer {block.layer}: {role.upper()} projection weight "
+                         f"{projection.weight!r} has dtype {weight.dtype}; LoRC needs floating-point "
+                         "weights (dequantize the model first)")
+    if weight.device.type == "meta":
+        raise ValueError(f"layer {block.layer}: {role.upper()} projection weight "
+                         f"{projection.weight!r} is on the meta device; load the weights first")
+    return weight
+
+
+def layer_inputs(params: dict[str, torch.Tensor], blocks: list[AttentionBlock]) -> list[LayerInput]:
+    """One :class:`LayerInput` per supported block (``params``: name → tensor, as the
+    blocks' projections name them); unsupported blocks are not planned."""
+    inputs = []
+    for block in blocks:
+        if not block.supported:
+            continue
+        keys_linear = block.k_path in ("none", "rope")
+        inputs.append(LayerInput(
+            layer=block.layer,
+            k_weight=_checked_weight(block, "k", params),
+            v_weight=_checked_weight(block, "v", params),
+            num_heads=block.num_heads, num_kv_heads=block.num_kv_heads,
+            head_dim=block.head_dim, rope=block.rope_k,
+            compress_k=keys_linear, compress_v=block.v_path == "none",
+            note="" if keys_linear else f"keys kept full: {block.k_path} between projection and cache",
+        ))
+    return inputs
+
+
+@dataclass
+class LayerPlan:
+    layer: int
+    k_full: int
+    v_full: int
+    k_rank: int
+    v_rank: int
+    skipped: bool
+    kappa_k: float
+    kappa_v: float
+    log_kappa_cum: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeLayout
+    k_latent_of: str  # "post_rope" keys (commute / no RoPE) or "pre_rope" keys (reconstruct)
+    k_basis: torch.Tensor = field(repr=False)  # (k_rank, k_full) latent rows P, float64
+    v_basis: torch.Tensor = field(repr=False)
+    k_rebuild: torch.Tensor = field(repr=False)  # (k_rank, k_full) rows B: keys ≈ Bᵀ·(P·keys)
+    v_rebuild: torch.Tensor = field(repr=False)
+    k_energy_kept: float = 1.0  # share of the spectrum's energy the basis keeps
+    v_energy_kept: float = 1.0
+    k_compressible: bool = True  # False: keys stay raw (e.g. a norm between projection and cache)
+    v_compressible: bool = True
+    note: str = ""
+
+    @property
+    def compressed(self) -> bool:
+        return self.k_rank < self.k_full or self.v_rank < self.v_full
+
+    def summary(self) -> dict:
+        keys = ("layer", "k_rank", "v_rank", "k_full", "v_full", "skipped", "kappa_k",
+                "kappa_v", "log_kappa_cum", "k_latent_of", "k_energy_kept", "v_energy_kept",
+                "note")
+        out = {k: getattr(self, k) for k in keys}
+        out["rope"] = asdict(self.rope)
+        return out
+
+
+@dataclass
+class Plan:
+    layers: list[LayerPlan]
+    options: PlanOptions
+    reachable: tuple[float, float]
+
+    rotary_log: int = 0  # elements per token of the RoPE angles a reconstruct-mode cache keeps
+
+    @property
+    def cache_fraction(self) -> float:
+        full, kept = self.cache_elements_per_token()
+        return kept / full
+
+    def cache_elements_per_token(self) -> tuple[int, int]:
+        """(full, compressed) elements the cache holds per token, all layers: K+V, or
+        latents plus the RoPE angle log."""
+        full = sum(l.k_full + l.v_full for l in self.layers)
+        return full, sum(l.k_rank + l.v_rank for l in self.layers) + self.rotary_log
+
+    @property
+    def latent_budget(self) -> float:
+        """The share of the full K/V width the requested fraction leaves to latents."""
+        full, _ = self.cache_elements_per_token()
+        return latent_fraction(self.options.cache_fraction, self.rotary_log, full)
+
+    def to_json(self) -> dict:
+        return {
+            "cache_fraction": self.cache_fraction,
+            "requested_fraction": self.options.cache_fraction,
+            "reachable": list(self.reachable),
+            "options": asdict(self.options),
+            "layers": [l.summary() for l in self.layers],
+        }
+
+
+def _energy_kept(spectrum: Spectrum, rank: int) -> float:
+    total = float(spectrum.energy.sum())
+    return 1.0 - spectrum.dropped_energy(rank) / total if total > 0 else 1.0
+
+
+def _key_spectrum(layer: LayerInput, rope_mode: str) -> Spectrum:
+    """The layer's precomputed key spectrum, else the weight's under the input metric, with
+    energies as shares of the total (the one unit in which weight spectra compare)."""
+    if layer.k_spectrum is not None:
+        return layer.k_spectrum
+    if layer.rope.style != "none" and rope_mode == "commute":
+        return relative(rope_commuting_spectrum(layer.k_weight, layer.num_kv_heads,
+                                                layer.head_dim, layer.rope, layer.input_gram))
+    return relative(real_spectrum(layer.k_weight, layer.input_gram))
+
+
+def _value_spectrum(layer: LayerInput) -> Spectrum:
+    if layer.v_spectrum is not None:
+        return layer.v_spectrum
+    return relative(real_spectrum(layer.v_weight, layer.input_gram))
+
+
+def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[float]:
+    """log κ̃_l = Σ_{j ≥ l} log κ(W_k^j) + log κ(W_v^j), in log space so it cannot overflow."""
+    logs = [math.log(k) + math.log(v) for k, v in zip(kappa_k, kappa_v)]
+    out, acc = [], 0.0
+    for value in reversed(logs):
+        acc += value
+        out.append(acc)
+    return out[::-1]
+
+
+def _rotary_log(layers: list[LayerInput], compress_k: list[bool], options: PlanOptions) -> int:
+    """Elements per token of the RoPE angles a cache keeps once for all its pre-RoPE latents
+    (``cos`` and ``sin`` per rotary pair)."""
+    if options.rope != "reconstruct":
+        return 0
+    dims = [l.rope.rotary_dim for l, c in zip(layers, compress_k) if c and l.rope.style != "none"]
+    return max(dims, default=0)
+
+
+def latent_fraction(cache_fraction: float, rotary_log: int, full: int) -> float:
+    """What latents may fill of a requested cache fraction: the RoPE angle log counts against
+    it, except at 1.0, which keeps every dim (the identity plan)."""
+    return cache_fraction - rotary_log / full if cache_fraction < 1.0 else cache_fraction
+
+
+def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
+    """Bases and ranks for every layer (pure; deterministic)."""
+    kappa_k = [condition_number(l.k_weight) for l in layers]
+    kappa_v = [condition_number(l.v_weight) for l in layers]
+    log_cum = cumulative_log_kappa(kappa_k, kappa_v)
+    skipped = [
+        i < options.keep_first
+        or (options.skip_threshold is not None and lk > math.log(max(options.skip_threshold, 1e-300)))
+        for i, lk in enumerate(log_cum)
+    ]
+    k_spectra = [_key_spectrum(l, options.rope) for l in layers]
+    v_spectra = [_value_spectrum(l) for l in layers]
+    compress_k = [l.compress_k and not s for l, s in zip(layers, skipped)]
+    rotary_log = _rotary_log(layers, compress_k, options)
+    full = sum(k.width + v.width for k, v in zip(k_spectra, v_spectra))
+    latent = latent_fraction(options.cache_fraction, rotary_log, full)
+    overhead = options.cache_fraction - latent
+    inp = ScheduleInput(
+        k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum, compress_k=compress_k,
+        compress_v=[l.compress_v and not s for l, s in zip(layers, skipped)],
+        cache_fraction=latent, rank_multiple=options.rank_multiple,
+        key_fraction=options.key_fraction, overhead_fraction=overhead)
+    allocation = SCHEDULES[options.schedule](inp)
+
+    plans = []
+    for l, ks, vs, (kr, vr), s, kk, kv, lk in zip(layers, k_spectra, v_spectra, allocation.ranks, skipped,
+                                                  kappa_k, kappa_v, log_cum):
+        rotated = l.rope.style != "none"
+        plans.append(LayerPlan(
+            layer=l.layer, k_full=ks.width, v_full=vs.width, k_rank=kr, v_rank=vr, skipped=s,
+            kappa_k=kk, kappa_v=kv, log_kappa_cum=lk, num_heads=l.num_heads,
+            num_kv_heads=l.num_kv_heads, head_dim=l.head_dim, rope=l.rope,
+            k_latent_of="pre_rope" if rotated and options.rope == "reconstruct" else "post_rope",
+            k_basis=ks.basis(kr), v_basis=vs.basis(vr),
+            k_rebuild=ks.rebuild(kr), v_rebuild=vs.rebuild(vr),
+            k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),
+            k_compressible=l.compress_k, v_compressible=l.compress_v, note=l.note))
+    return Plan(plans, options, (allocation.lowest_fraction + overhead, 1.0), rotary_log)

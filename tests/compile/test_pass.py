@@ -1,0 +1,182 @@
+"""The compiler pass end to end on random architectures: latent cache + rewrite.
+
+Most examples run the rewritten graph directly (``inductor=False``); ``test_inductor_*``
+compile a fixed few through Inductor.
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from lorc_fx.compile.backend import lorc_backend
+from lorc_fx.api import compress
+from lorc_fx.cache import LatentCache, latent_cache
+from lorc_fx.plan.schedules import UnreachableFraction
+from helpers.families import FAMILIES, architectures, build, config_for
+from helpers.pass_helpers import assert_same_generation, compiled, generate, prompt
+
+REWRITE_ONLY = lorc_backend.with_options(inductor=False)
+SETTINGS = settings(max_examples=8, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+ROPE_MODES = st.sampled_from(["commute", "reconstruct"])
+CACHES = st.sampled_from([None, "static"])
+
+
+@SETTINGS
+@given(arch=architectures(), rope=ROPE_MODES, cache=CACHES, seed=st.integers(0, 100))
+def test_full_fraction_compiled_matches_uncompressed_eager(arch, rope, cache, seed):
+    family, config = arch
+    model = build(config, seed)
+    ids, mask = prompt(seed=seed)
+    expected = generate(model, ids, mask, cache)
+    compress(model, 1.0, rope=rope)
+    backend = lorc_backend.with_options(inductor=False)
+    with compiled(model, backend):
+        got = generate(model, ids, mask, cache)
+    assert isinstance(got.past_key_values, LatentCache)
+    assert_same_generation(got, expected)
+    if rope == "commute" and family != "gemma3":  # gemma3: keys behind a norm stay raw
+        assert sum(r.absorbed for r in backend.reports) > 0, "no attention was rewritten"
+
+
+def expected_cache_bytes(report, cache) -> int:
+    batch, tokens = cache.layers[0].keys.shape[0], cache.get_seq_length()
+    if cache.layers[0].get_max_length() > 0:  # static: the whole buffer is held
+        tokens = cache.layers[0].get_max_length()
+    return batch * int(tokens) * report.cache_bytes_per_token()[1]
+
+
+@SETTINGS
+@given(arch=architectures(families=[f for f in FAMILIES if f != "gemma3"]), rope=ROPE_MODES,
+       cache=CACHES, fraction=st.floats(0.2, 0.95), seed=st.integers(0, 100))
+def test_compressed_compiled_matches_eager_latent_and_cache_shrinks(arch, rope, cache, fraction,
+                                                                     seed):
+    _, config = arch
+    model = build(config, seed)
+    ids, mask = prompt(seed=seed)
+    try:
+        report = compress(model, fraction, schedule="uniform", rope=rope, rank_multiple=1)
+    except UnreachableFraction:  # the RoPE angle log alone can outweigh a tiny model's budget
+        assert rope == "reconstruct"
+        lowest = compress(model, 1.0, rope=rope).plan.cache_elements_per_token()
+        assert fraction < lowest[1] / lowest[0] - 1  # the angles' share of the cache
+        return
+    eager = generate(model, ids, mask, cache)
+    with compiled(model, REWRITE_ONLY):
+        got = generate(model, ids, mask, cache)
+    assert_same_generation(got, eager)
+    measured = got.past_key_values.cache_bytes()
+    assert measured == eager.past_key_values.cache_bytes()
+    assert measured == expected_cache_bytes(report, got.past_key_values)
+    full, kept = report.plan.cache_elements_per_token()
+    assert kept < full
+
+
+def test_latent_cache_keeps_beam_search_and_cropping():
+    model = build(config_for("llama", heads=4, kv_heads=2))
+    ids, mask = prompt()
+    expected = generate(model, ids, mask, num_beams=3)
+    compress(model, 1.0)
+    got = generate(model, ids, mask, num_beams=3)
+    assert torch.equal(got.sequences, expected.sequences)
+    cache = got.past_key_values
+    length = cache.get_seq_length()
+    cache.crop(-2)
+    assert cache.get_seq_length() == length - 2
+    assert all(layer.keys.shape[-2] == length - 2 for layer in cache.layers)
+
+
+def test_sliding_window_layers_stay_standard():
+    model = build(config_for("gemma3"))
+    compress(model, 0.5, schedule="uniform")
+    cache = latent_cache(model)
+    assert isinstance(cache.layers[0], DynamicSlidingWindowLayer)
+
+
+@pytest.mark.parametrize("rope", ["commute", "reconstruct"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_backend_compresses_an_uncompressed_model(rope, fraction):
+    """``torch.compile(model, backend=...)`` alone: same logits as the eager latent cache."""
+    model = build(config_for("qwen2", heads=4, kv_heads=2, layers=2))
+    ids, _ = prompt(batch=1)
+    with torch.no_grad():
+        plain = model(ids, use_cache=False).logits
+        backend = lorc_backend.with_options(inductor=False, cache_fraction=fraction,
+                                            schedule="uniform", rope=rope)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=backend)(ids, use_cache=False).logits
+        compress(model, fraction, schedule="uniform", rope=rope)
+        eager = model(ids, past_key_values=latent_cache(model), use_cache=True).logits
+    torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+    if fraction == 1.0:
+        torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+    else:
+        assert (got - plain).abs().max() > 1e-3  # really compressed
+    assert [r.compression.compressed for r in backend.reports] == [[0, 1]]
+
+
+def test_backend_leaves_full_cache_attention_alone_and_says_why():
+    model = build(config_for("llama"))
+    ids, mask = prompt()
+    expected = generate(model, ids, mask)
+    backend = lorc_backend.with_options(inductor=False)
+    with compiled(model, backend):
+        got = generate(model, ids, mask)
+    assert_same_generation(got, expected)
+    reasons = [why for r in backend.reports if r.compression for _, why in r.compression.left_alone]
+    assert reasons and all("lorc_fx.compress" in why for why in reasons)
+
+
+def test_backend_is_registered_by_name():
+    model = build(config_for("gpt2", heads=2, kv_heads=2, layers=1))
+    ids, _ = prompt(batch=1)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="lorc")  # resolves the name without compiling yet
+    assert "lorc" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_rewrite_keeps_in_place_cache_writes():
+    """The static cache writes latents with index_copy_; no rewrite may drop those nodes."""
+    model = build(config_for("llama"))
+    compress(model, 0.5, schedule="uniform")
+    graphs = []
+
+    def spy(gm, example_inputs):
+        fn = REWRITE_ONLY(gm, example_inputs)
+        graphs.append(gm)
+        return fn
+
+    ids, mask = prompt()
+    eager = generate(model, ids, mask, "static")
+    with compiled(model, spy):
+        got = generate(model, ids, mask, "static")
+    writes = [n for gm in graphs for n in gm.graph.nodes if n.target == "index_copy_"]
+    assert len(writes) >= 2 * model.config.num_hidden_layers
+    for a, b in zip(got.past_key_values.layers, eager.past_key_values.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("family, fraction, cache", [("llama", 0.5, None), ("gpt2", 1.0, "static")])
+def test_inductor_matches_eager(family, fraction, cache):
+    model = build(config_for(family, heads=4, kv_heads=2 if family == "llama" else 4))
+    ids, mask = prompt()
+    expected = generate(model, ids, mask, cache)
+    compress(model, fraction, schedule="uniform")
+    if fraction < 1.0:
+        expected = generate(model, ids, mask, cache)
+    with compiled(model, lorc_backend):
+        got = generate(model, ids, mask, cache)
+    assert_same_generation(got, expected)
+
+
+def test_skipped_layers_store_full_keys_and_values():
+    model = build(config_for("llama", heads=4, kv_heads=2, layers=3))
+    ids, mask = prompt()
+    compress(model, 0.8, schedule="uniform", keep_first=1, rank_multiple=1)
+    cache = generate(model, ids, mask).past_key_values
+    first, second = cache.layers[0], cache.layers[1]
+    assert type(first).__name__ == "DynamicLayer" and first.keys.shape[1] == 2  # (b, h_kv, n, d)
+    assert type(second).__name__ == "LatentDynamicLayer" and second.keys.shape[1] == 1
