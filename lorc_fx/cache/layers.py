@@ -76,7 +76,44 @@ class LatentCodec:
         return k, v
 
 
-class LatentDynamicLayer(DynamicLayer):
+class _RotaryLogOwner:
+    """Policy of the layer that appends to its cache's ``RotaryLog``: every operation
+    ``generate`` applies to cached tokens (cropping rejected drafts, reordering beams,
+    repeating or selecting batch rows, resetting) is applied to the logged angles too, so a
+    rebuilt key is always rotated by the angle of its own position."""
+
+    logs_rotary: bool
+
+    def _log(self) -> RotaryLog | None:
+        return self.bases.rotary if self.logs_rotary else None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self._log() is not None:
+            self._log().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self._log() is not None:
+            self._log().map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self._log() is not None:
+            self._log().map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self._log() is not None:
+            self._log().map(lambda t: t[indices, ...])
+
+    def reset(self) -> None:
+        super().reset()
+        if self._log() is not None:
+            self._log().reset()
+
+
+class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
     """A growing cache of latents (``(b, 1, n, r)``; the head axis keeps the seq axis at -2,
     so masks, ``get_seq_length``, cropping and beam reordering work as for full keys)."""
 
@@ -103,7 +140,7 @@ class LatentDynamicLayer(DynamicLayer):
         return self.bases.expand(self.keys, self.values)
 
 
-class LatentStaticLayer(StaticLayer):
+class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
     """A preallocated cache of latents, written in place at the cache positions."""
 
     def __init__(self, max_cache_len: int, bases: LatentCodec, logs_rotary: bool = False):

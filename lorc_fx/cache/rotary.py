@@ -77,3 +77,22 @@ class RotaryLog:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.cos, self.sin) if t is not None]
+
+    def map(self, fn) -> None:
+        """Apply ``fn`` to the logged ``cos`` and ``sin`` (a batch or length operation that
+        the owning cache layer applies to its own latents too)."""
+        if self.cos is not None:
+            self.cos, self.sin = fn(self.cos), fn(self.sin)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (a growing log; a preallocated one is
+        indexed by position and rewritten in place)."""
+        if tokens_to_remove < 0 and self.max_cache_len is None:
+            self.map(lambda t: t[:, :tokens_to_remove])
+
+    def reset(self) -> None:
+        self.pending = None
+        if self.max_cache_len is None:
+            self.cos = self.sin = None
+        else:
+            self.map(torch.zero_)

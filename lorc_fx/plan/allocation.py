@@ -19,26 +19,29 @@ Two schedules:
 from __future__ import annotations
 
 import heapq
+import math
 
 from .schedules import SCHEDULES, Allocation, ScheduleInput, check_reachable, snap_rank
 from .spectra import Spectrum
 
 
-def _next_rank(spectrum: Spectrum, rank: int, multiple: int) -> int | None:
-    """The largest valid rank below ``rank`` that is a multiple of ``multiple`` (or 0)."""
-    lower = [r for r in spectrum.valid_ranks if r < rank and r % multiple == 0]
+def _next_rank(spectrum: Spectrum, rank: int, multiple: int, least: int) -> int | None:
+    """The largest valid rank below ``rank`` that is a multiple of ``multiple`` (or 0), and
+    not below ``least``."""
+    lower = [r for r in spectrum.valid_ranks if least <= r < rank and r % multiple == 0]
     return max(lower) if lower else None
 
 
 def water_fill(spectra: list[Spectrum], movable: list[bool], keep: float,
-               multiple: int) -> list[int]:
+               inp: ScheduleInput) -> list[int]:
     """Ranks for ``spectra`` keeping about ``keep`` rows in all: drop the chunk with the least
-    error per dim, repeatedly; stop at the state nearest ``keep`` (ties: keep more)."""
+    error per dim, repeatedly, never below a side's least rank; stop at the state nearest
+    ``keep`` (ties: keep more)."""
     ranks = [s.width for s in spectra]
     heap: list[tuple[float, int, int]] = []
 
     def push(i: int) -> None:
-        lower = _next_rank(spectra[i], ranks[i], multiple)
+        lower = _next_rank(spectra[i], ranks[i], inp.rank_multiple, inp.least_rank(spectra[i]))
         if lower is not None:
             cost = float(spectra[i].energy[lower:ranks[i]].sum()) / (ranks[i] - lower)
             heapq.heappush(heap, (cost, i, lower))
@@ -57,37 +60,47 @@ def water_fill(spectra: list[Spectrum], movable: list[bool], keep: float,
     return ranks
 
 
-def _lowest(widths: list[int], movable: list[bool]) -> int:
-    return sum(w for w, m in zip(widths, movable) if not m)
+def _lowest(inp: ScheduleInput, spectra: list[Spectrum], movable: list[bool]) -> float:
+    """The least fraction reachable: fixed sides full, movable ones at their least rank."""
+    kept = sum(inp.least_rank(s) if m else s.width for s, m in zip(spectra, movable))
+    return kept / inp.full_width
 
 
 def greedy(inp: ScheduleInput) -> Allocation:
     """Keys and values of every layer water-filled together."""
     spectra = inp.k_spectra + inp.v_spectra
     movable = inp.compress_k + inp.compress_v
-    lowest = _lowest([s.width for s in spectra], movable) / inp.full_width
+    lowest = _lowest(inp, spectra, movable)
     check_reachable(inp, lowest, "greedy")
-    ranks = water_fill(spectra, movable, inp.cache_fraction * inp.full_width, inp.rank_multiple)
+    ranks = water_fill(spectra, movable, inp.cache_fraction * inp.full_width, inp)
     n = len(inp.k_spectra)
     return Allocation(list(zip(ranks[:n], ranks[n:])), lowest)
 
 
-def key_ranks(inp: ScheduleInput, key_fraction: float) -> list[int]:
-    """Every compressed layer's keys at ``key_fraction`` of their width."""
-    return [snap_rank(s, key_fraction * s.width, inp.rank_multiple) if c else s.width
+def key_ranks(inp: ScheduleInput, key_fraction: float, lo: float = 0.0,
+              hi: float = 1.0) -> list[int]:
+    """Every compressed layer's keys at ``key_fraction`` of their width, snapped inside
+    ``[lo, hi]`` of it where a valid rank lies there (where values can make up the rest)."""
+    return [snap_rank(s, key_fraction * s.width, inp.rank_multiple, hi,
+                      max(inp.least_rank(s), math.ceil(lo * s.width - 1e-9)))
+            if c else s.width
             for s, c in zip(inp.k_spectra, inp.compress_k)]
 
 
 def feasible_key_fractions(k_widths: list[int], v_widths: list[int], compress_k: list[bool],
-                           compress_v: list[bool], fraction: float) -> tuple[float, float]:
-    """Key fractions for which values (from none to all kept) make up ``fraction``."""
+                           compress_v: list[bool], fraction: float,
+                           v_least: list[int] | None = None) -> tuple[float, float]:
+    """Key fractions for which values (from their least ranks, ``v_least``, to all kept) make
+    up ``fraction``."""
     full = sum(k_widths) + sum(v_widths)
     k_width = sum(w for w, c in zip(k_widths, compress_k) if c)
     v_width = sum(w for w, c in zip(v_widths, compress_v) if c)
+    v_floor = sum(r for r, c in zip(v_least or [0] * len(v_widths), compress_v) if c)
     if k_width == 0:
         return 1.0, 1.0
     target = fraction * full - (full - k_width - v_width)
-    return min(1.0, max(0.0, (target - v_width) / k_width)), min(1.0, max(0.0, target / k_width))
+    return (min(1.0, max(0.0, (target - v_width) / k_width)),
+            min(1.0, max(0.0, (target - v_floor) / k_width)))
 
 
 def calibrated(inp: ScheduleInput) -> Allocation:
@@ -96,15 +109,14 @@ def calibrated(inp: ScheduleInput) -> Allocation:
     with what remains."""
     lo, hi = feasible_key_fractions([s.width for s in inp.k_spectra],
                                     [s.width for s in inp.v_spectra], inp.compress_k,
-                                    inp.compress_v, inp.cache_fraction)
+                                    inp.compress_v, inp.cache_fraction,
+                                    [inp.least_rank(s) for s in inp.v_spectra])
     wanted = inp.key_fraction if inp.key_fraction is not None else inp.cache_fraction
-    keys = key_ranks(inp, min(max(wanted, lo), hi))
-    v_widths = [s.width for s in inp.v_spectra]
-    lowest = _lowest([s.width for s in inp.k_spectra] + v_widths,
-                     inp.compress_k + inp.compress_v) / inp.full_width
+    keys = key_ranks(inp, min(max(wanted, lo), hi), lo, hi)
+    lowest = _lowest(inp, inp.k_spectra + inp.v_spectra, inp.compress_k + inp.compress_v)
     check_reachable(inp, lowest, "calibrated")
     values = water_fill(inp.v_spectra, inp.compress_v,
-                        inp.cache_fraction * inp.full_width - sum(keys), inp.rank_multiple)
+                        inp.cache_fraction * inp.full_width - sum(keys), inp)
     return Allocation(list(zip(keys, values)), lowest)
 
 

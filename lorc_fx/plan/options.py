@@ -45,22 +45,35 @@ class PlanOptions:
     rank_multiple: int = 8
     key_fraction: float | None = None  # calibrated schedule: keys' kept ratio (None: measured)
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+    allow_zero_rank: bool = False  # let a compressed side keep no latent dim at all
 
     def __post_init__(self):
         f = self.cache_fraction
-        if not isinstance(f, (int, float)) or not 0 < f <= 1:
-            raise ValueError(f"cache_fraction must be in (0, 1], got {f!r}")
+        if not _is_number(f) or not 0 < f <= 1:
+            raise ValueError(f"cache_fraction must be a number in (0, 1], got {f!r}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose from {sorted(SCHEDULE_NAMES)}")
         if self.basis not in BASIS_NAMES:
             raise ValueError(f"unknown basis {self.basis!r}; choose from {sorted(BASIS_NAMES)}")
         if self.rope not in ROPE_MODES:
             raise ValueError(f"unknown rope mode {self.rope!r}; choose from {list(ROPE_MODES)}")
-        if self.skip_threshold is not None and not self.skip_threshold >= 0:
+        if self.skip_threshold is not None and not (_is_number(self.skip_threshold)
+                                                    and self.skip_threshold >= 0):
             raise ValueError(f"skip_threshold must be a non-negative number, got {self.skip_threshold!r}")
-        if self.keep_first < 0:
-            raise ValueError(f"keep_first must be >= 0, got {self.keep_first}")
-        if self.rank_multiple < 1:
-            raise ValueError(f"rank_multiple must be >= 1, got {self.rank_multiple}")
-        if self.key_fraction is not None and not 0 <= self.key_fraction <= 1:
-            raise ValueError(f"key_fraction must be in [0, 1], got {self.key_fraction!r}")
+        if not _is_int(self.keep_first) or self.keep_first < 0:
+            raise ValueError(f"keep_first must be an integer >= 0, got {self.keep_first!r}")
+        if not _is_int(self.rank_multiple) or self.rank_multiple < 1:
+            raise ValueError(f"rank_multiple must be an integer >= 1, got {self.rank_multiple!r}")
+        if self.key_fraction is not None and not (_is_number(self.key_fraction)
+                                                  and 0 <= self.key_fraction <= 1):
+            raise ValueError(f"key_fraction must be a number in [0, 1], got {self.key_fraction!r}")
+        if not isinstance(self.allow_zero_rank, bool):
+            raise ValueError(f"allow_zero_rank must be True or False, got {self.allow_zero_rank!r}")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -195,6 +195,13 @@ def latent_fraction(cache_fraction: float, rotary_log: int, full: int) -> float:
 
 def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
     """Bases and ranks for every layer (pure; deterministic)."""
+    if not layers:
+        raise ValueError("no attention layer to plan: the analysis found no supported "
+                         "attention block (lorc_fx.analyze(model) says why)")
+    widest = max(max(l.k_weight.shape[0], l.v_weight.shape[0]) for l in layers)
+    if options.rank_multiple > widest:
+        raise ValueError(f"rank_multiple={options.rank_multiple} is wider than every key/value "
+                         f"projection of this model ({widest}); choose 1..{widest}")
     kappa_k = [condition_number(l.k_weight) for l in layers]
     kappa_v = [condition_number(l.v_weight) for l in layers]
     log_cum = cumulative_log_kappa(kappa_k, kappa_v)
@@ -214,7 +221,8 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
         k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum, compress_k=compress_k,
         compress_v=[l.compress_v and not s for l, s in zip(layers, skipped)],
         cache_fraction=latent, rank_multiple=options.rank_multiple,
-        key_fraction=options.key_fraction, overhead_fraction=overhead)
+        key_fraction=options.key_fraction, overhead_fraction=overhead,
+        allow_zero_rank=options.allow_zero_rank)
     allocation = SCHEDULES[options.schedule](inp)
 
     plans = []

@@ -14,7 +14,12 @@ from .spectra import Spectrum
 
 
 class UnreachableFraction(ValueError):
-    """The requested cache fraction is outside what a schedule can produce."""
+    """The requested cache fraction is outside what a schedule can produce; ``lowest`` is
+    the least fraction it reaches on the model."""
+
+    def __init__(self, message: str, lowest: float):
+        super().__init__(message)
+        self.lowest = lowest
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class ScheduleInput:
     rank_multiple: int
     key_fraction: float | None = None  # the calibrated schedule's key/value split
     overhead_fraction: float = 0.0  # what the cache holds besides latents, said in messages
+    allow_zero_rank: bool = False  # may a side keep no latent at all (attention then ignores it)
 
     @property
     def full_width(self) -> int:
@@ -35,6 +41,16 @@ class ScheduleInput:
 
     def fraction(self, ranks: list[tuple[int, int]]) -> float:
         return sum(k + v for k, v in ranks) / self.full_width
+
+    def least_rank(self, spectrum: Spectrum) -> int:
+        """The smallest rank a compressed side may keep: a layer whose keys or values keep no
+        dim attends to nothing (every score equal, or every output zero), so unless the user
+        allows it, one rank step (or the full width where no smaller valid rank exists)."""
+        if self.allow_zero_rank:
+            return 0
+        steps = [r for r in spectrum.valid_ranks
+                 if r > 0 and (r % self.rank_multiple == 0 or r == spectrum.width)]
+        return min(steps, default=spectrum.width)
 
 
 Ranks = list[tuple[int, int]]
@@ -49,10 +65,12 @@ class Allocation:
 Schedule = Callable[[ScheduleInput], Allocation]
 
 
-def snap_rank(spectrum: Spectrum, target: float, multiple: int, cap: float = 1.0) -> int:
+def snap_rank(spectrum: Spectrum, target: float, multiple: int, cap: float = 1.0,
+              least: int = 0) -> int:
     """The valid rank nearest ``target`` that is a multiple of ``multiple`` (or full width),
-    keeping at most ``cap`` of the width (0 is always valid)."""
-    allowed = [r for r in spectrum.valid_ranks if r <= cap * spectrum.width + 1e-9]
+    at least ``least`` and keeping at most ``cap`` of the width where it can."""
+    allowed = [r for r in spectrum.valid_ranks
+               if least <= r <= max(cap * spectrum.width + 1e-9, least)]
     candidates = [r for r in allowed if r % multiple == 0 or r == spectrum.width] or allowed
     return min(candidates, key=lambda r: (abs(r - target), -r))
 
@@ -64,8 +82,10 @@ def _ranks_at(inp: ScheduleInput, ratios: list[float]) -> Ranks:
     ranks, k_cap, v_cap = [], 1.0, 1.0
     for ks, vs, ck, cv, ratio in zip(inp.k_spectra, inp.v_spectra, inp.compress_k,
                                      inp.compress_v, ratios):
-        k = snap_rank(ks, ratio * ks.width, inp.rank_multiple, k_cap) if ck else ks.width
-        v = snap_rank(vs, ratio * vs.width, inp.rank_multiple, v_cap) if cv else vs.width
+        k = (snap_rank(ks, ratio * ks.width, inp.rank_multiple, k_cap, inp.least_rank(ks))
+             if ck else ks.width)
+        v = (snap_rank(vs, ratio * vs.width, inp.rank_multiple, v_cap, inp.least_rank(vs))
+             if cv else vs.width)
         k_cap = k / ks.width if ck else k_cap
         v_cap = v / vs.width if cv else v_cap
         ranks.append((k, v))
@@ -80,7 +100,8 @@ def check_reachable(inp: ScheduleInput, lowest: float, name: str) -> None:
             f"cache fraction {inp.cache_fraction + inp.overhead_fraction:.3f} is out of reach "
             f"of the {name} schedule on this model: it reaches "
             f"[{lowest + inp.overhead_fraction:.3f}, 1.000] with the skipped layers kept; "
-            "ask for a fraction in that range, or use another schedule")
+            "ask for a fraction in that range, or use another schedule",
+            lowest + inp.overhead_fraction)
 
 
 def solve_ratio_schedule(inp: ScheduleInput, ratios_at: Callable[[float], list[float]],

@@ -23,7 +23,8 @@ from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.plan.calibration import model_tokenizer, calibration_windows, model_fingerprint
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.allocation import feasible_key_fractions
-from lorc_fx.plan.planner import LayerInput, Plan, PlanOptions, plan_layers
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import LayerInput, Plan, plan_layers
 
 _FORMAT = 4  # bump when the bases change: cached splits were measured with the old ones
 SEARCH_TOKENS = 2048  # 4 windows of 512: the losses of neighbouring splits differ by ~0.01 nat
@@ -59,7 +60,8 @@ def _grid(inputs: list[LayerInput], options: PlanOptions) -> list[float]:
     lo, hi = feasible_key_fractions(
         [l.k_full for l in layers], [l.v_full for l in layers],
         [l.k_compressible and not l.skipped for l in layers],
-        [l.v_compressible and not l.skipped for l in layers], plan.latent_budget)
+        [l.v_compressible and not l.skipped for l in layers], plan.latent_budget,
+        [0 if options.allow_zero_rank else min(options.rank_multiple, l.v_full) for l in layers])
     step = options.rank_multiple / max(l.k_full for l in layers)
     return [i * step for i in range(math.ceil(lo / step - 1e-9), math.floor(hi / step + 1e-9) + 1)]
 
