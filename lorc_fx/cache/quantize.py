@@ -1,0 +1,259 @@
+"""Asymmetric integer group quantization for cache tensors (KIVI-style).
+
+A group is ``group`` consecutive elements along one axis of the tensor; every group keeps a
+scale and a zero point (its rounded-down minimum), and each element an unsigned code
+``q = round((x - zero) / scale)`` of ``bits`` bits, so ``x ≈ zero + q·scale``. Two layouts of a
+``(batch, heads, tokens, head_dim)`` cache tensor matter (KIVI):
+
+- **per channel** (keys): groups run along the token axis, ``axis=-2``; each channel of each
+  run of ``group`` tokens has its own scale, which follows the channels' very different
+  ranges;
+- **per token** (values): groups run along the channel axis, ``axis=-1``.
+
+Codes are packed little-endian into a ``uint8`` payload: 8 bits one per byte, 4 bits two per
+byte (``pack_int4``: the first value in the low nibble), 2 bits four per byte, 3 bits eight
+values in three bytes. ``bits=16`` means "not quantized": the tensor is kept as it is, in its
+own dtype (16 bits per value in a 16-bit model).
+
+Byte accounting counts everything: payload plus one scale and one zero point per group, both
+stored in ``scale_dtype`` (the model's dtype when ``None``). ``QuantizedTensor.nbytes`` is
+measured from the tensors; ``QuantSpec.nbytes(shape, dtype)`` predicts it exactly, and
+``QuantSpec.bytes_per_value(dtype)`` is the per-value figure when the grouped axis is a whole
+number of groups.
+
+The scale and zero point are rounded to ``scale_dtype`` *before* the codes are computed (zero
+rounded down, scale rounded up), so every element lies inside the representable range and the
+round-trip error is at most ``scale/2`` per element (plus the rounding of the dequantized value
+to the output dtype).
+
+This module imports nothing from lorc_fx.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """``bits`` per code (2, 3, 4, 8; 16 = unquantized), ``group`` elements per scale/zero
+    along ``axis`` (the axis the groups run along), scale/zero stored in ``scale_dtype``
+    (``None``: the dtype of the quantized tensor)."""
+    bits: int
+    group: int = 64
+    axis: int = -1
+    scale_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, not {self.bits}")
+        if self.bits != 16:
+            if self.group < 1:
+                raise ValueError(f"group must be positive, not {self.group}")
+            if (self.group * self.bits) % 8:
+                raise ValueError(f"a group of {self.group} {self.bits}-bit codes is not a whole "
+                                 f"number of bytes")
+            if self.scale_dtype is not None and not self.scale_dtype.is_floating_point:
+                raise ValueError("scale_dtype must be a floating dtype")
+
+    @classmethod
+    def per_channel(cls, bits: int, group: int = 64, scale_dtype: torch.dtype | None = None):
+        """Keys (KIVI): groups of ``group`` tokens along the token axis (-2), per channel."""
+        return cls(bits, group, -2, scale_dtype)
+
+    @classmethod
+    def per_token(cls, bits: int, group: int = 64, scale_dtype: torch.dtype | None = None):
+        """Values (KIVI): groups of ``group`` channels along the last axis, per token."""
+        return cls(bits, group, -1, scale_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != 16
+
+    def _scale_bytes(self, dtype: torch.dtype | None) -> int:
+        dtype = self.scale_dtype or dtype
+        if dtype is None:
+            raise ValueError("the spec has no scale_dtype: say the model's dtype")
+        return torch.empty((), dtype=dtype).element_size()
+
+    def bytes_per_value(self, dtype: torch.dtype | None = None) -> float:
+        """Bytes per cached value, everything counted (payload + scale + zero point), when
+        the grouped axis is a whole number of groups. ``dtype``: the model's dtype (the
+        unquantized storage, and the scale/zero dtype when the spec names none)."""
+        if not self.quantized:
+            if dtype is None:
+                raise ValueError("an unquantized spec stores the model's dtype: say which")
+            return float(torch.empty((), dtype=dtype).element_size())
+        return self.bits / 8 + 2 * self._scale_bytes(dtype) / self.group
+
+    def bits_per_value(self, dtype: torch.dtype | None = None) -> float:
+        return 8 * self.bytes_per_value(dtype)
+
+    def nbytes(self, shape, dtype: torch.dtype) -> int:
+        """Exact bytes ``quantize`` stores for a tensor of ``shape`` and ``dtype`` (a partial
+        last group is padded to a whole group and has its own scale and zero point)."""
+        shape = tuple(shape)
+        numel = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not self.quantized:
+            return numel * itemsize
+        length = shape[self.axis]
+        rows = numel // length if length else 0
+        groups = -(-length // self.group)
+        return rows * groups * (self.group * self.bits // 8 + 2 * self._scale_bytes(dtype))
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """``payload``: uint8 packed codes ``(..., groups, group·bits/8)`` with the grouped axis
+    moved last; ``scale``/``zero``: ``(..., groups)``. For an unquantized spec the payload is
+    the tensor itself and ``scale``/``zero`` are ``None``."""
+    payload: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    spec: QuantSpec
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors, measured."""
+        return sum(t.nbytes for t in (self.payload, self.scale, self.zero) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+
+# ---------------------------------------------------------------- packing
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned ``bits``-bit codes (any integer dtype, values in ``[0, 2**bits)``) along
+    the last axis into uint8, little-endian: 8 codes fill ``bits`` bytes. The last axis must
+    hold a whole number of bytes of codes."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    n = codes.shape[-1]
+    if (n * bits) % 8:
+        raise ValueError(f"{n} codes of {bits} bits are not a whole number of bytes")
+    if bits in (2, 4):  # per byte: 8/bits codes
+        per = 8 // bits
+        c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // per, per)
+        out = c[..., 0]
+        for i in range(1, per):
+            out = out | (c[..., i] << (bits * i))
+        return out
+    # general: 8 codes -> one integer of 8·bits bits -> bits bytes
+    c = codes.to(torch.int64).reshape(*codes.shape[:-1], n // 8, 8)
+    word = c[..., 0]
+    for i in range(1, 8):
+        word = word | (c[..., i] << (bits * i))
+    out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(bits)], dim=-1)
+    return out.to(torch.uint8).reshape(*codes.shape[:-1], n * bits // 8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: uint8 codes, ``8 // bits`` times as many along the last axis
+    (``8/bits`` for 3 bits: 3 bytes -> 8 codes)."""
+    if packed.dtype != torch.uint8:
+        raise TypeError("packed codes are uint8")
+    if bits == 8:
+        return packed
+    m = packed.shape[-1]
+    mask = (1 << bits) - 1
+    if bits in (2, 4):
+        per = 8 // bits
+        parts = [(packed >> (bits * i)) & mask for i in range(per)]
+        return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], m * per)
+    if m % bits:
+        raise ValueError(f"{m} bytes are not a whole number of {bits}-byte words")
+    b = packed.to(torch.int64).reshape(*packed.shape[:-1], m // bits, bits)
+    word = b[..., 0]
+    for j in range(1, bits):
+        word = word | (b[..., j] << (8 * j))
+    parts = [(word >> (bits * i)) & mask for i in range(8)]
+    return torch.stack(parts, dim=-1).to(torch.uint8).reshape(*packed.shape[:-1], m * 8 // bits)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last axis (even length): the first in the low
+    nibble."""
+    return pack_bits(codes, 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    return unpack_bits(packed, 4)
+
+
+# ---------------------------------------------------------------- quantization
+
+def _round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """``x`` (float32) rounded to ``dtype``, toward +inf (``up``) or -inf, as float32."""
+    r = x.to(dtype).float()
+    if dtype == torch.float32:
+        return r
+    bad = r < x if up else r > x
+    if bool(bad.any()):
+        target = torch.full_like(r, math.inf if up else -math.inf).to(dtype)
+        stepped = torch.nextafter(r.to(dtype), target).float()
+        r = torch.where(bad, stepped, r)
+    return r
+
+
+def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``x`` with the grouped axis last, padded (edge value) to whole groups and split:
+    ``(..., groups, group)``."""
+    y = x.movedim(spec.axis, -1)
+    n = y.shape[-1]
+    pad = -n % spec.group
+    if pad:
+        y = torch.cat([y, y[..., -1:].expand(*y.shape[:-1], pad)], dim=-1)
+    return y.reshape(*y.shape[:-1], (n + pad) // spec.group, spec.group)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
+    """Quantize ``x`` by ``spec``; see the module docstring."""
+    if not x.is_floating_point():
+        raise TypeError("quantize takes a floating tensor")
+    if not spec.quantized:
+        return QuantizedTensor(x, None, None, spec, tuple(x.shape), x.dtype)
+    if x.shape[spec.axis] == 0:
+        raise ValueError("nothing to quantize along the grouped axis")
+    scale_dtype = spec.scale_dtype or x.dtype
+    g = _grouped(x, spec).float()
+    levels = (1 << spec.bits) - 1
+    lo, hi = g.amin(-1), g.amax(-1)
+    if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+        raise ValueError("quantize takes finite values")
+    zero = _round_to(lo, scale_dtype, up=False)
+    scale = _round_to((hi - zero) / levels, scale_dtype, up=True)
+    if not bool(torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+        raise OverflowError(f"the groups' ranges do not fit scale_dtype {scale_dtype}")
+    # an exactly constant group: every element equals zero, any scale works
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((g - zero[..., None]) / scale[..., None]).clamp_(0, levels)
+    payload = pack_bits(codes.to(torch.uint8), spec.bits)
+    return QuantizedTensor(payload, scale.to(scale_dtype), zero.to(scale_dtype), spec,
+                           tuple(x.shape), x.dtype)
+
+
+def dequantize(q: QuantizedTensor) -> torch.Tensor:
+    """The tensor ``q`` stands for: ``zero + code·scale``, in the original dtype and shape."""
+    if not q.spec.quantized:
+        return q.payload
+    codes = unpack_bits(q.payload, q.spec.bits).float()
+    y = q.zero.float()[..., None] + codes * q.scale.float()[..., None]
+    y = y.reshape(*y.shape[:-2], -1)
+    axis = q.spec.axis % len(q.shape)
+    n = q.shape[axis]
+    y = y[..., :n].movedim(-1, axis)
+    return y.to(q.dtype)
+
+
+def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, int]:
+    """``dequantize(quantize(x))`` and the bytes the quantized form holds."""
+    q = quantize(x, spec)
+    return dequantize(q), q.nbytes
