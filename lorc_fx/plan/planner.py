@@ -19,6 +19,7 @@ from .options import PlanOptions
 from .schedules import SCHEDULES, ScheduleInput
 from .spectra import Spectrum, condition_number, real_spectrum, rope_commuting_spectrum
 
+
 @dataclass
 class LayerInput:
     """What the plan needs to know about one attention layer."""

@@ -20,9 +20,9 @@ from transformers.cache_utils import DynamicCache
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import LatentCache, angles_handed
-from lorc_fx.plan.calibration import model_tokenizer, calibration_windows, model_fingerprint
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.allocation import feasible_key_fractions
+from lorc_fx.plan.calibration import calibration_windows, model_fingerprint, model_tokenizer
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers
 

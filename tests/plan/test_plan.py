@@ -235,3 +235,13 @@ def test_rank_multiple_wider_than_every_projection_is_refused():
 def test_no_layers_is_a_clear_error():
     with pytest.raises(ValueError, match="no attention layer to plan"):
         plan_layers([], PlanOptions(0.5, basis="weight"))
+
+
+def test_option_names_match_the_registries():
+    """options.py lists the names so it stays a leaf; the registries must agree with it."""
+    from lorc_fx.plan.bases import BASES
+    from lorc_fx.plan.options import BASIS_NAMES, SCHEDULE_NAMES
+    from lorc_fx.plan.schedules import SCHEDULES
+
+    assert set(SCHEDULES) == set(SCHEDULE_NAMES)
+    assert set(BASES) == set(BASIS_NAMES)
