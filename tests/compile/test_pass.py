@@ -86,8 +86,8 @@ def test_latent_cache_keeps_beam_search_and_cropping():
 
 
 def test_sliding_window_layers_stay_standard():
-    model = build(config_for("gemma3"))
-    compress(model, 0.5, schedule="uniform")
+    model = build(config_for("gemma3"))  # q/k norm keeps keys full: 0.5 would zero values
+    compress(model, 0.75, schedule="uniform")
     cache = latent_cache(model)
     assert isinstance(cache.layers[0], DynamicSlidingWindowLayer)
 
