@@ -30,6 +30,34 @@ class LorcBackend:
         self.plan_options = PlanOptions(**plan_options)
         self.passes = LorcPassManager(self.plan_options)
         self.reports: list[PassReport] = []
+        self._said: set[str] = set()  # every message is logged once per backend
+
+    def _once(self, level: int, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            log.log(level, message)
+
+    def _say(self, report: PassReport) -> None:
+        """What changed the outputs, once: attention compressed from the graph's own weights
+        (the model had no ``lorc_fx.compress`` plan) and attention left alone, with why."""
+        compression = report.compression
+        if compression is not None and compression.compressed:
+            plan = compression.plan
+            self._once(logging.WARNING, (
+                f"lorc_backend: the model has no lorc_fx.compress plan, so its cache-free "
+                f"attention is compressed with bases from the graph's weights: "
+                f"{len(compression.compressed)} blocks at cache fraction "
+                f"{plan.cache_fraction:.3f} (asked {plan.options.cache_fraction:.3f}, "
+                f"{plan.options.schedule} schedule); outputs differ from the uncompressed "
+                "model's"))
+        if compression is not None:
+            by_reason: dict[str, list[int]] = {}
+            for index, why in compression.left_alone:
+                by_reason.setdefault(why, []).append(index)
+            for why, indices in by_reason.items():
+                self._once(logging.WARNING, f"lorc_backend: attention {', '.join(map(str, indices))} "
+                                            f"left uncompressed: {why}")
+        self._once(logging.INFO, f"lorc_backend: passes matched {report.counts}")
 
     def with_options(self, inductor: bool | None = None, **plan_options) -> "LorcBackend":
         merged = {**self.plan_options.__dict__, **plan_options}
@@ -38,10 +66,7 @@ class LorcBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs):
         report = self.passes(gm, example_inputs)
         self.reports.append(report)
-        if report.compression is not None:
-            for index, why in report.compression.left_alone:
-                log.warning("lorc_backend: attention %d left uncompressed: %s", index, why)
-        log.info("lorc_backend: graph %d: %s", len(self.reports), report.counts)
+        self._say(report)
         if not self.inductor:
             return gm.forward
         from torch._inductor.compile_fx import compile_fx

@@ -3,6 +3,8 @@
 Most examples run the rewritten graph directly (``inductor=False``); ``test_inductor_*``
 compile a fixed few through Inductor.
 """
+import logging
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -169,6 +171,41 @@ def test_inductor_matches_eager(family, fraction, cache):
     with compiled(model, lorc_backend):
         got = generate(model, ids, mask, cache)
     assert_same_generation(got, expected)
+
+
+@pytest.mark.inductor
+def test_inductor_compresses_an_uncompressed_model():
+    """The pass's new bases are buffers AOT autograd can trace (each needs a dynamo source)."""
+    model = build(config_for("llama", heads=4, kv_heads=2, layers=2))
+    ids, _ = prompt(batch=1)
+    options = dict(cache_fraction=0.5, schedule="uniform")
+    with torch.no_grad():
+        torch._dynamo.reset()
+        rewritten = torch.compile(model, backend=lorc_backend.with_options(inductor=False, **options))
+        expected = rewritten(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=lorc_backend.with_options(**options))(
+            ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_backend_says_once_what_changed_outputs(caplog):
+    """Compressing an uncompressed model's attention is said once, at WARNING; attention left
+    alone is said once per reason, however many graphs generate compiles."""
+    model = build(config_for("llama"))
+    ids, mask = prompt()
+    backend = lorc_backend.with_options(inductor=False, cache_fraction=0.5, schedule="uniform")
+    with caplog.at_level(logging.INFO, logger="lorc_fx.compile.backend"), torch.no_grad():
+        torch._dynamo.reset()
+        model.compile(backend=backend)
+        model(ids, use_cache=False)
+        generate(model, ids, mask)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == len(set(messages))
+    compressed = [m for m in messages if "no lorc_fx.compress plan" in m]
+    assert len(compressed) == 1 and "cache fraction 0.500" in compressed[0]
+    assert sum("left uncompressed" in m for m in messages) == 1
+    assert len(backend.reports) > 2  # several graphs compiled, each reported
 
 
 def test_skipped_layers_store_full_keys_and_values():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
+from torch._dynamo.source import ConstantSource
 
 from lorc_fx.analysis.attention_match import match_attention
 from lorc_fx.analysis.records import AttentionBlock
@@ -35,9 +36,14 @@ def _graph_params(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]
 
 def _splice(gm: fx.GraphModule, states: fx.Node, basis: torch.Tensor, rebuild: torch.Tensor,
             num_kv_heads: int, name: str) -> None:
-    """Route every use of ``states`` through its rank-r reconstruction ``rebuildᵀ·basis·states``."""
-    gm.register_buffer(name, basis)
-    gm.register_buffer(f"{name}_rebuild", rebuild)
+    """Route every use of ``states`` through its rank-r reconstruction ``rebuildᵀ·basis·states``.
+
+    The bases become buffers of ``gm``; AOT autograd asks dynamo's record of where every
+    buffer came from (``gm._param_name_to_source``), so each gets a source naming it."""
+    for buffer, tensor in ((name, basis), (f"{name}_rebuild", rebuild)):
+        gm.register_buffer(buffer, tensor)
+        if hasattr(gm, "_param_name_to_source"):
+            gm._param_name_to_source[buffer] = ConstantSource(f"lorc_{buffer}")
     users = list(states.users)
     with gm.graph.inserting_after(states):
         basis_node = gm.graph.get_attr(name)
