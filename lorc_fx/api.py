@@ -6,22 +6,26 @@ mode) in ``search``."""
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import replace
 
 import torch
 from torch import nn
 
 from lorc_fx.analysis import analyze
+from lorc_fx.analysis.capture import NoTokenInputs
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
 from lorc_fx.cache import install
 from lorc_fx.plan.bases import resolve
-from lorc_fx.plan.options import CalibrationOptions, PlanOptions
+from lorc_fx.plan.options import ROPE_MODES, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.report import CompressionReport
 from lorc_fx.search.split import held_out_loss, measured_split
 
 # bases measured on calibration text; with them the calibrated schedule measures its split too
+log = logging.getLogger(__name__)
+
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
 
 
@@ -64,6 +68,38 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
     return result, held_out_loss(model, blocks, result) if measure else None
 
 
+def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated",
+                    rope: str = "auto", basis: str = "auto",
+                    skip_threshold: float | None = None, keep_first: int = 0,
+                    rank_multiple: int = 8, key_fraction: float | None = None,
+                    calibration: CalibrationOptions | None = None) -> PlanOptions:
+    """The options :func:`plan` takes, checked without a model (a bad one raises a
+    ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
+    mode :func:`rope_modes` tries."""
+    if rope not in ("auto", *ROPE_MODES):
+        raise ValueError(f"unknown rope mode {rope!r}; choose from {['auto', *ROPE_MODES]}")
+    return PlanOptions(cache_fraction=cache_fraction, schedule=schedule,
+                       rope="commute" if rope == "auto" else rope, basis=basis,
+                       skip_threshold=skip_threshold, keep_first=keep_first,
+                       rank_multiple=rank_multiple, key_fraction=key_fraction,
+                       calibration=calibration or CalibrationOptions())
+
+
+def _require_attention(model: nn.Module, blocks: list[AttentionBlock]) -> None:
+    if not any(b.supported for b in blocks):
+        raise NoAttentionFound(model, blocks)
+
+
+class NoAttentionFound(ValueError):
+    """The analysis found no attention block it can compress in the model."""
+
+    def __init__(self, model: nn.Module, blocks: list[AttentionBlock], why: str = ""):
+        reasons = sorted({b.reason for b in blocks if b.reason})
+        why = why or (f"its {len(blocks)} attention blocks are left alone: {'; '.join(reasons)}"
+                      if blocks else "its traced forward holds no attention")
+        super().__init__(f"no attention to compress in {type(model).__name__}: {why}")
+
+
 def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "calibrated",
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
@@ -80,15 +116,17 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     lower held-out calibration loss; without calibration, ``commute``. Caching keys before
     RoPE lets a data-aware key basis ignore the rotation (bench/quality.md: much better on
     SmolLM2), but the cache then keeps the angles too, which a small model's budget may not
-    repay. The plan's options record the basis and mode used.
+    repay. The plan's options record the basis and mode used. A model without attention
+    the analysis can compress raises :class:`NoAttentionFound`.
     """
+    options = checked_options(cache_fraction, schedule=schedule, rope=rope, basis=basis,
+                              skip_threshold=skip_threshold, keep_first=keep_first,
+                              rank_multiple=rank_multiple, key_fraction=key_fraction,
+                              calibration=calibration)
     if blocks is None:
         blocks = analyze(model)
+    _require_attention(model, blocks)
     modes = rope_modes(rope, model, blocks)
-    options = PlanOptions(cache_fraction=cache_fraction, schedule=schedule, rope=modes[0],
-                          basis=basis, skip_threshold=skip_threshold, keep_first=keep_first,
-                          rank_multiple=rank_multiple, key_fraction=key_fraction,
-                          calibration=calibration or CalibrationOptions())
     planned, refused = [], []
     for mode in modes:
         try:
@@ -109,12 +147,21 @@ def compress(model: nn.Module, cache_fraction: float = 0.6, *,
     """Plan LoRC ranks for ``model`` and make its ``generate`` use a latent KV cache.
 
     Returns a report: per-layer ranks, cache bytes per token full vs compressed, and the
-    attention blocks left uncompressed with the reason.
+    attention blocks left uncompressed with the reason. A model with no attention the
+    analysis can compress is left unchanged, with a warning and a report that says why.
     """
-    if blocks is None:
-        blocks = analyze(model)
+    checked_options(cache_fraction, **plan_options)  # bad options fail before any analysis
+    dtype_bytes = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
+    try:
+        if blocks is None:
+            blocks = analyze(model)
+        _require_attention(model, blocks)
+    except (NoAttentionFound, NoTokenInputs) as err:
+        why = err if isinstance(err, NoAttentionFound) else NoAttentionFound(model, [], str(err))
+        log.warning("lorc_fx.compress: %s; the model is left unchanged", why)
+        return CompressionReport(None, [(b.layer, b.reason) for b in blocks or []], dtype_bytes,
+                                 left_alone=str(why))
     planned = plan(model, cache_fraction, blocks=blocks, **plan_options)
     install(model, planned, blocks)
-    dtype = next(model.parameters()).dtype
     unsupported = [(b.layer, b.reason) for b in blocks if not b.supported]
-    return CompressionReport(planned, unsupported, torch.empty((), dtype=dtype).element_size())
+    return CompressionReport(planned, unsupported, dtype_bytes)

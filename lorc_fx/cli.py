@@ -7,9 +7,13 @@ import sys
 import time
 
 
+_SHOW_DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help="'default' (embedded SmolLM2-135M), a Hugging Face model directory, or a .gguf file")
+                   help="'default' (the embedded SmolLM2-135M), a Hugging Face model "
+                        "directory, or a .gguf file")
 
 
 def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
@@ -19,27 +23,35 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                        help="kept K+V cache bytes / full K+V cache bytes, in (0, 1]")
     if choice:
         p.add_argument("--schedule", default="calibrated",
-                       help="calibrated | greedy | progressive (the paper) | uniform")
+                       help="how ranks are spread over layers: calibrated (key/value split "
+                            "measured on calibration text) | greedy | progressive (the "
+                            "paper) | uniform")
         p.add_argument("--basis", default="auto",
                        help="auto (attention where calibration is possible, else weight) | "
-                            "attention | whitened | norm | weight (the paper)")
+                            "attention | whitened | norm | weight (the paper's weight SVD)")
     p.add_argument("--rope", default="auto",
-                   help="auto (reconstruct where the model hands attention its RoPE angles) | "
-                        "reconstruct (cache keys before RoPE) | commute (after it)")
+                   help="auto (both modes where the model hands attention its RoPE angles, "
+                        "the better on calibration text) | reconstruct (cache keys before "
+                        "RoPE, plus the angles) | commute (cache keys after it)")
     p.add_argument("--skip-threshold", type=float, default=None,
                    help="layers whose cumulative condition number exceeds this stay full")
     p.add_argument("--keep-first", type=int, default=0, help="the first N layers stay full")
-    p.add_argument("--rank-multiple", type=int, default=8)
+    p.add_argument("--rank-multiple", type=int, default=8,
+                   help="every kept rank is a multiple of this (or the full width)")
     p.add_argument("--key-fraction", type=float, default=None,
-                   help="calibrated schedule: keys' kept ratio (default: measured)")
+                   help="calibrated schedule: keys' kept ratio in [0, 1]; None: measured")
     p.add_argument("--calibration-text", default="news,austen",
                    help="comma-separated texts the data-aware bases calibrate on "
                         "(news, austen, or paths); only every 4th paragraph is read")
-    p.add_argument("--calibration-tokens", type=int, default=16384)
-    p.add_argument("--calibration-seed", type=int, default=0)
+    p.add_argument("--calibration-tokens", type=int, default=16384,
+                   help="calibration tokens, in windows of 512")
+    p.add_argument("--calibration-seed", type=int, default=0,
+                   help="seed of the calibration windows drawn")
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
+    """The plan options the arguments ask for, checked (``ValueError`` naming the option)."""
+    from lorc_fx.api import checked_options
     from lorc_fx.plan.calibration import CalibrationOptions
 
     kwargs = dict(rope=args.rope, skip_threshold=args.skip_threshold, keep_first=args.keep_first,
@@ -51,6 +63,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
         kwargs["cache_fraction"] = args.cache_fraction
     if hasattr(args, "schedule"):
         kwargs.update(schedule=args.schedule, basis=args.basis)
+    checked_options(**kwargs)
     return kwargs
 
 
@@ -65,10 +78,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from lorc_fx.data.models import load_model
     from lorc_fx.report import plan_table, plot_plan
 
+    kwargs = _plan_kwargs(args)
     start = time.perf_counter()
     model = load_model(args.model)
     loaded = time.perf_counter()
-    result = plan(model, **_plan_kwargs(args))
+    result = plan(model, **kwargs)
     print(plan_table(result))
     print(f"model load {loaded - start:.1f} s, plan {time.perf_counter() - loaded:.1f} s")
     if args.json:
@@ -102,20 +116,25 @@ def _machine() -> dict:
 def cmd_eval(args: argparse.Namespace) -> None:
     from lorc_fx.analysis import analyze
     from lorc_fx.api import compress
-    from lorc_fx.eval.evaluate import EvalOptions, evaluate
+    from lorc_fx.eval.evaluate import EvalOptions, evaluate, evaluation_inputs
     from lorc_fx.data.models import load_model, load_tokenizer
     from lorc_fx.data.texts import load_text
 
-    start = time.perf_counter()
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    kwargs = _plan_kwargs(args)
+    options = EvalOptions(text=args.text, tokens=args.tokens, window=args.window, prompts=args.prompts,
+                          new_tokens=args.new_tokens, compile=args.compile)
     text = load_text(args.text)
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    evaluation_inputs(tokenizer, text, options)  # a text too short fails before the model loads
+    model = load_model(args.model)
     blocks = analyze(model)
     loaded = time.perf_counter()
-    report = compress(model, blocks=blocks, **_plan_kwargs(args))
+    report = compress(model, blocks=blocks, **kwargs)
+    if report.plan is None:
+        raise ValueError(report.left_alone)
     planned = time.perf_counter()
-    result = evaluate(model, tokenizer, text, EvalOptions(
-        tokens=args.tokens, window=args.window, prompts=args.prompts,
-        new_tokens=args.new_tokens, compile=args.compile))
+    result = evaluate(model, tokenizer, text, options)
     full_bytes, kept_bytes = report.cache_bytes_per_token()
     out = {
         "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
@@ -134,12 +153,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(f"{args.text}: perplexity {result.ppl_full:.3f} full, {result.ppl_compressed:.3f} "
           f"compressed (x{result.ppl_ratio:.4f}) at cache fraction "
           f"{report.plan.cache_fraction:.3f} ({kept_bytes}/{full_bytes} bytes per token)")
-    print(f"next-token agreement {result.top1_agreement:.1%}; greedy generation: "
-          f"{g['token_agreement']:.1%} of tokens agree, {g['exact_match']:.0%} of "
-          f"continuations identical, first difference after {g['mean_common_prefix']:.1f} "
-          f"tokens on average; {out['seconds']['total']:.0f} s")
+    generated = ("no greedy generation measured (--prompts 0)" if not result.generation["samples"]
+                 else f"greedy generation: {g['token_agreement']:.1%} of tokens agree, "
+                      f"{g['exact_match']:.0%} of continuations identical, first difference "
+                      f"after {g['mean_common_prefix']:.1f} tokens on average")
+    print(f"next-token agreement {result.top1_agreement:.1%}; {generated}; "
+          f"{out['seconds']['total']:.0f} s")
     if args.json:
         _write_json(args.json, out)
+
+
+def _fractions(listed: str) -> list[float]:
+    try:
+        fractions = [float(f) for f in listed.split(",")]
+    except ValueError:
+        raise ValueError(f"--fractions must be comma-separated numbers in (0, 1], got {listed!r}")
+    if not all(0 < f <= 1 for f in fractions):
+        raise ValueError(f"--fractions must be numbers in (0, 1], got {listed!r}")
+    return fractions
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
@@ -148,12 +179,13 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from lorc_fx.eval.sweep import parse_configs, plot_sweep, run_sweep
     from lorc_fx.data.texts import load_text
 
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    kwargs = _plan_kwargs(args)
+    fractions = _fractions(args.fractions)
+    configs = parse_configs(args.configs)
     texts = {name: load_text(name) for name in args.texts.split(",")}
-    result = run_sweep(model, tokenizer, analyze(model), texts,
-                       [float(f) for f in args.fractions.split(",")],
-                       parse_configs(args.configs), args.tokens, args.window,
-                       _plan_kwargs(args), checkpoint=args.json)
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    result = run_sweep(model, tokenizer, analyze(model), texts, fractions, configs,
+                       args.tokens, args.window, kwargs, checkpoint=args.json)
     result["machine"] = _machine()
     for row in result["rows"]:
         cells = (" ".join(f"{t} {row['ppl'][t]:8.2f} (x{row['ratio'][t]:.3f})" for t in texts)
@@ -179,10 +211,15 @@ def cmd_fetch_austen(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lorc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="lorc", description=__doc__,
+                                     formatter_class=_SHOW_DEFAULTS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="per-layer LoRC ranks for a cache fraction")
+    p = sub.add_parser("plan", help="per-layer LoRC ranks for a cache fraction",
+                       formatter_class=_SHOW_DEFAULTS,
+                       description="Per-layer ranks for a cache fraction. Unlike compress, "
+                                   "eval and demo, plan defaults to the paper's plan "
+                                   "(progressive schedule, weight-only basis).")
     _add_model(p)
     _add_plan_options(p)
     p.add_argument("--json", help="write the plan as JSON")
@@ -191,49 +228,56 @@ def build_parser() -> argparse.ArgumentParser:
     # otherwise; compress/eval/demo default to the measured best (calibrated, auto basis).
     p.set_defaults(run=cmd_plan, schedule="progressive", basis="weight")
 
-    p = sub.add_parser("analyze", help="attention blocks found in the model's captured graph")
+    p = sub.add_parser("analyze", help="attention blocks found in the model's captured graph",
+                       formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     p.add_argument("--json", help="write the records as JSON")
     p.set_defaults(run=cmd_analyze)
 
-    p = sub.add_parser("eval", help="perplexity and greedy agreement, full vs compressed cache")
+    p = sub.add_parser("eval", help="perplexity and greedy agreement, full vs compressed cache",
+                       formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p)
     p.add_argument("--text", default="news", help="news | austen | a UTF-8 text file")
     p.add_argument("--tokens", type=int, default=8192, help="tokens evaluated, in windows")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--prompts", type=int, default=4, help="greedy-generation prompts")
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
+    p.add_argument("--prompts", type=int, default=4,
+                   help="greedy-generation prompts (0: no generation measured)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--compile", action="store_true",
                    help="score compiled: the full cache with Inductor, the latent cache "
                         "with lorc_backend")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 
-    p = sub.add_parser("sweep", help="perplexity over cache fractions and plan options")
+    p = sub.add_parser("sweep", help="perplexity over cache fractions and plan options",
+                       formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p, fraction=False, choice=False)
-    p.add_argument("--fractions", default="0.8,0.7,0.6,0.5")
+    p.add_argument("--fractions", default="0.8,0.7,0.6,0.5",
+                   help="comma-separated cache fractions in (0, 1]")
     p.add_argument("--configs", default="weight:progressive,weight:uniform,whitened:uniform,"
                                         "whitened:calibrated,attention:greedy,attention:calibrated",
                    help="comma-separated basis:schedule[:rope] configs (rope: else --rope)")
-    p.add_argument("--texts", default="news,austen")
+    p.add_argument("--texts", default="news,austen", help="comma-separated evaluation texts")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per text, in windows")
-    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     p.add_argument("--json", default="sweep.json",
                    help="results, written after every row; a rerun resumes from it")
-    p.add_argument("--plot", default="sweep.png")
+    p.add_argument("--plot", default="sweep.png", help="PNG of perplexity ratio by fraction")
     p.set_defaults(run=cmd_sweep)
 
-    p = sub.add_parser("demo", help="plan, quality and compiled speed on the default model")
+    p = sub.add_parser("demo", help="plan, quality and compiled speed on the default model",
+                       formatter_class=_SHOW_DEFAULTS)
     _add_plan_options(p)
-    p.add_argument("--out", default="lorc-report")
+    p.add_argument("--out", default="lorc-report", help="directory for the report's files")
     p.add_argument("--tokens", type=int, default=2048, help="news tokens for perplexity")
-    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled speed test")
     p.set_defaults(run=cmd_demo)
 
-    p = sub.add_parser("fetch-austen", help="download Debian's r-cran-janeaustenr into the cache")
+    p = sub.add_parser("fetch-austen", help="download Debian's r-cran-janeaustenr into the cache",
+                       formatter_class=_SHOW_DEFAULTS)
     p.set_defaults(run=cmd_fetch_austen)
     return parser
 

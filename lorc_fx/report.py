@@ -50,26 +50,36 @@ def plot_plan(plan: Plan, path: str) -> None:
 
 @dataclass
 class CompressionReport:
-    plan: Plan
+    """What ``lorc_fx.compress`` did; ``plan`` is None when it left the model unchanged, and
+    ``left_alone`` then says why."""
+
+    plan: Plan | None
     unsupported: list[tuple[int, str]] = field(default_factory=list)  # (layer, why)
     dtype_bytes: int = 4
+    left_alone: str = ""
 
     def cache_bytes_per_token(self) -> tuple[int, int]:
         """(full, compressed) cache bytes per token per sequence, all planned layers; in
         ``reconstruct`` mode the compressed figure includes the RoPE angle log."""
+        if self.plan is None:
+            return 0, 0
         full, kept = self.plan.cache_elements_per_token()
         return full * self.dtype_bytes, kept * self.dtype_bytes
 
     def to_json(self) -> dict:
         full, kept = self.cache_bytes_per_token()
-        return {**self.plan.to_json(), "cache_bytes_per_token_full": full,
+        plan = self.plan.to_json() if self.plan is not None else {"left_alone": self.left_alone}
+        return {**plan, "cache_bytes_per_token_full": full,
                 "cache_bytes_per_token_compressed": kept,
                 "unsupported": [{"layer": l, "reason": r} for l, r in self.unsupported]}
 
     def __str__(self) -> str:
-        full, kept = self.cache_bytes_per_token()
-        lines = [plan_table(self.plan),
-                 f"cache bytes per token: {full} full, {kept} compressed ({kept / full:.3f})"]
+        if self.plan is None:
+            lines = [f"model left unchanged: {self.left_alone}"]
+        else:
+            full, kept = self.cache_bytes_per_token()
+            lines = [plan_table(self.plan),
+                     f"cache bytes per token: {full} full, {kept} compressed ({kept / full:.3f})"]
         lines += [f"layer {l} left uncompressed: {r}" for l, r in self.unsupported]
         return "\n".join(lines)
 

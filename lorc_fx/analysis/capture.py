@@ -101,6 +101,10 @@ def _forward_inputs(model: nn.Module, example_inputs, forward_kwargs) -> tuple[t
     return args, kwargs
 
 
+class NoTokenInputs(ValueError):
+    """The model takes no token ids the analysis could make up: pass example inputs."""
+
+
 def synthetic_input_ids(model: nn.Module, seq_len: int = DEFAULT_SEQ_LEN) -> torch.Tensor:
     """``(1, seq_len)`` token ids within the model's vocabulary."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -108,8 +112,10 @@ def synthetic_input_ids(model: nn.Module, seq_len: int = DEFAULT_SEQ_LEN) -> tor
         vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
                      None)
     if vocab is None:
-        raise ValueError(f"cannot make token ids for {type(model).__name__}: it has no "
-                         "config.vocab_size and no nn.Embedding; pass example_inputs")
+        raise NoTokenInputs(f"cannot make token ids for {type(model).__name__}: it has no "
+                            "config.vocab_size and no nn.Embedding, so it is not a language "
+                            "model the analysis can trace by itself; to trace it with your "
+                            "inputs, pass blocks=lorc_fx.analyze(model, example_inputs)")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = (torch.arange(seq_len) * 7 + 3) % vocab
     return ids.unsqueeze(0).to(device)

@@ -74,7 +74,15 @@ def load_tokenizer(name: str = "default"):
         if cached.is_dir():
             return AutoTokenizer.from_pretrained(cached)
         return AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    if not any((source / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"model directory {str(source)!r} holds no tokenizer (none of "
+            f"{', '.join(_TOKENIZER_FILES)}); save it beside the model with "
+            "tokenizer.save_pretrained(directory)")
     return AutoTokenizer.from_pretrained(source)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def _resolve(name: str) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -49,7 +50,11 @@ def load_text(name: str) -> str:
         return "\n\n".join(austen_novels().values())
     path = Path(name).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"text file {str(path)!r} is not UTF-8 text ({err.reason} at byte "
+                             f"{err.start}); give a plain text file") from None
     raise TextNotFoundError(f"{name!r} is neither a known text (\"news\", \"austen\") nor a "
                             f"text file")
 
@@ -156,3 +161,30 @@ def _run(cmd: list[str], cwd: str) -> None:
         hint = (" (if apt cannot locate the package, run `sudo apt-get update` first)"
                 if cmd[0] == "apt-get" else "")
         raise FetchError(f"`{' '.join(cmd)}` failed{hint}:\n{e.stderr.strip()}") from e
+
+
+CHUNK_CHARS = 1000  # a text without blank lines is cut into paragraphs of about this size
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """The text's paragraphs: blank-line separated, or, in a text without blank lines (a
+    source file, a log, one long line), consecutive lines, else sentences, gathered into
+    chunks of about ``CHUNK_CHARS`` characters, so that one paragraph is never the whole
+    text (calibration keeps every fourth paragraph, evaluation the others)."""
+    parts = [p for p in text.split("\n\n") if p.strip()]
+    if len(parts) > 1:
+        return parts
+    pieces = [line for line in text.splitlines() if line.strip()]
+    joiner = "\n"
+    if len(pieces) <= 1:
+        pieces = [s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s]
+        joiner = " "
+    chunks, current = [], []
+    for piece in pieces:
+        current.append(piece)
+        if sum(len(p) + 1 for p in current) >= CHUNK_CHARS:
+            chunks.append(joiner.join(current))
+            current = []
+    if current:
+        chunks.append(joiner.join(current))
+    return chunks

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from lorc_fx.plan.calibration import evaluation_part
+from lorc_fx.data.texts import split_paragraphs
+from lorc_fx.plan.calibration import HOLD_OUT, evaluation_part
 from lorc_fx.cache import latent_cache
 
 PROMPT_TOKENS = 24
@@ -37,6 +38,13 @@ class EvalOptions:
     new_tokens: int = 32
     batch_size: int = 2
     compile: bool = False  # score compiled: full cache by Inductor, latent cache by lorc_backend
+
+    def __post_init__(self):
+        for name, least in (("window", 2), ("tokens", self.window), ("prompts", 0),
+                            ("new_tokens", 1), ("batch_size", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass
@@ -58,18 +66,24 @@ def evaluation_windows(tokenizer, text: str, tokens: int, window: int) -> torch.
     ids = tokenizer(evaluation_part(text), return_tensors="pt").input_ids[0]
     count = max(1, tokens // window)
     if len(ids) < count * window:
-        raise ValueError(f"the evaluation text holds {len(ids)} tokens, fewer than {count} "
-                         f"windows of {window}")
+        raise ValueError(f"its evaluation part (3 of every {HOLD_OUT} paragraphs; the others "
+                         f"are calibration's) holds {len(ids)} tokens, fewer than {count} "
+                         f"windows of {window}; ask for fewer tokens or give a longer text")
     step = (len(ids) - window) // max(1, count - 1) if count > 1 else 0
     return torch.stack([ids[i * step:i * step + window] for i in range(count)])
 
 
 def prompts_from(tokenizer, text: str, count: int) -> list[torch.Tensor]:
-    """The first ``PROMPT_TOKENS`` tokens of ``count`` evenly spaced evaluation paragraphs."""
+    """The first ``PROMPT_TOKENS`` tokens of ``count`` evenly spaced evaluation paragraphs;
+    a text with fewer paragraphs that long is refused rather than prompted less."""
     if count == 0:
         return []
-    paragraphs = [p for p in evaluation_part(text).split("\n\n")
+    paragraphs = [p for p in split_paragraphs(evaluation_part(text))
                   if len(tokenizer(p).input_ids) >= PROMPT_TOKENS]
+    if len(paragraphs) < count:
+        raise ValueError(f"prompts: {count} asked, but only {len(paragraphs)} evaluation "
+                         f"paragraphs of the text hold {PROMPT_TOKENS} tokens; ask for fewer "
+                         "prompts or give a longer text")
     picked = paragraphs[:: max(1, len(paragraphs) // count)][:count]
     return [tokenizer(p, return_tensors="pt").input_ids[:, :PROMPT_TOKENS] for p in picked]
 
@@ -122,20 +136,33 @@ def greedy_continuations(model: nn.Module, prompts: list[torch.Tensor], new_toke
 
 
 def agreement(full: list[list[int]], compressed: list[list[int]]) -> dict:
+    """How greedy continuations agree; ``None`` for every figure where none was generated."""
+    if not full:
+        return {"token_agreement": None, "exact_match": None, "mean_common_prefix": None}
     same = sum(a == b for f, c in zip(full, compressed) for a, b in zip(f, c))
-    total = sum(len(f) for f in full)
     prefixes = [next((i for i, (a, b) in enumerate(zip(f, c)) if a != b), len(f))
                 for f, c in zip(full, compressed)]
-    return {"token_agreement": same / total if total else 1.0,
-            "exact_match": sum(f == c for f, c in zip(full, compressed)) / len(full) if full else 1.0,
-            "mean_common_prefix": sum(prefixes) / len(prefixes) if prefixes else 0.0}
+    return {"token_agreement": same / sum(len(f) for f in full),
+            "exact_match": sum(f == c for f, c in zip(full, compressed)) / len(full),
+            "mean_common_prefix": sum(prefixes) / len(prefixes)}
+
+
+def evaluation_inputs(tokenizer, text: str, options: EvalOptions
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The perplexity windows and generation prompts ``options`` ask of ``text``; a text
+    too short for them is refused, naming it (check before loading a model)."""
+    try:
+        return (evaluation_windows(tokenizer, text, options.tokens, options.window),
+                prompts_from(tokenizer, text, options.prompts))
+    except ValueError as err:
+        raise ValueError(f"text {options.text!r}: {err}") from None
 
 
 def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None = None) -> EvalResult:
     """Perplexity and greedy agreement of a model prepared by ``lorc_fx.compress`` (its
     uncompressed path is the plain forward / a plain cache), on the text ``text``."""
     options = options or EvalOptions()
-    windows = evaluation_windows(tokenizer, text, options.tokens, options.window)
+    windows, prompts = evaluation_inputs(tokenizer, text, options)
     full_runner = comp_runner = model
     if options.compile:  # the full cache under Inductor, the latent cache under lorc_backend
         from lorc_fx.compile.backend import lorc_backend
@@ -154,7 +181,6 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
     top1 = float((scores.predictions == full_scores.predictions).float().mean())
 
     start = time.perf_counter()
-    prompts = prompts_from(tokenizer, text, options.prompts)
     full = greedy_continuations(model, prompts, options.new_tokens, compressed=False)
     comp = greedy_continuations(model, prompts, options.new_tokens, compressed=True)
     seconds["generation"] = time.perf_counter() - start

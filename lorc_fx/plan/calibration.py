@@ -31,6 +31,7 @@ from .options import CalibrationOptions
 from .attention_probe import AttentionMoments, AttentionProbe, attention_modules, probe_supported
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.data.models import user_cache_dir
+from lorc_fx.data.texts import split_paragraphs
 
 HOLD_OUT = 4
 _FORMAT = 1  # bump when what the cache file holds changes
@@ -46,18 +47,14 @@ class LayerStatistics:
     attention: AttentionMoments | None
 
 
-def _paragraphs(text: str) -> list[str]:
-    return [p for p in text.split("\n\n") if p.strip()]
-
-
 def calibration_part(text: str) -> str:
     """The paragraphs reserved for calibration: every ``HOLD_OUT``-th, from the first."""
-    return "\n\n".join(p for i, p in enumerate(_paragraphs(text)) if i % HOLD_OUT == 0)
+    return "\n\n".join(p for i, p in enumerate(split_paragraphs(text)) if i % HOLD_OUT == 0)
 
 
 def evaluation_part(text: str) -> str:
     """Every paragraph calibration never reads."""
-    return "\n\n".join(p for i, p in enumerate(_paragraphs(text)) if i % HOLD_OUT != 0)
+    return "\n\n".join(p for i, p in enumerate(split_paragraphs(text)) if i % HOLD_OUT != 0)
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -322,3 +322,23 @@ def test_real_austen():
     assert "Emma Woodhouse, handsome, clever, and rich" in novels["Emma"]
     text = load_text("austen")
     assert 3_500_000 < len(text) < 4_500_000
+
+
+def test_a_text_without_blank_lines_is_split_into_paragraphs():
+    from lorc_fx.data.texts import CHUNK_CHARS, split_paragraphs
+
+    lines = [f"line {i} of a source file without blank lines" for i in range(400)]
+    chunks = split_paragraphs("\n".join(lines))
+    assert len(chunks) > 8 and "\n".join(chunks) == "\n".join(lines)
+    assert all(len(c) >= CHUNK_CHARS for c in chunks[:-1])
+    sentences = " ".join(f"Sentence number {i} ends here." for i in range(300))
+    chunks = split_paragraphs(sentences)
+    assert len(chunks) > 4 and " ".join(chunks) == sentences
+    assert split_paragraphs("one\n\ntwo\n\n\n\nthree") == ["one", "two", "three"]
+
+
+def test_a_binary_text_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="weights.bin.*is not UTF-8 text"):
+        load_text(str(path))

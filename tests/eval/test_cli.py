@@ -34,14 +34,47 @@ def test_analyze_json(model_dir, tmp_path):
     assert (blocks[0]["num_heads"], blocks[0]["num_kv_heads"]) == (4, 2)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--cache-fraction", "1.5"], "cache_fraction must be in (0, 1]"),
-    (["--schedule", "pyramid"], "unknown schedule"),
-    (["--skip-threshold", "-3"], "skip_threshold"),
+@pytest.mark.parametrize("command, args, message", [
+    ("plan", ["--cache-fraction", "1.5"], "cache_fraction must be a number in (0, 1], got 1.5"),
+    ("plan", ["--schedule", "pyramid"], "unknown schedule 'pyramid'"),
+    ("plan", ["--skip-threshold", "-3"], "skip_threshold"),
+    ("plan", ["--rank-multiple", "0"], "rank_multiple must be an integer >= 1"),
+    ("plan", ["--rope", "sideways"], "unknown rope mode 'sideways'"),
+    ("plan", ["--calibration-tokens", "0"], "calibration tokens must be >= 1"),
+    ("eval", ["--prompts", "-1"], "prompts must be an integer >= 0, got -1"),
+    ("eval", ["--window", "0"], "window must be an integer >= 2, got 0"),
+    ("eval", ["--tokens", "100"], "tokens must be an integer >= 512, got 100"),
+    ("eval", ["--new-tokens", "0"], "new_tokens must be an integer >= 1"),
+    ("sweep", ["--fractions", "0.5,2"], "--fractions must be numbers in (0, 1]"),
+    ("demo", ["--cache-fraction", "0"], "cache_fraction must be a number in (0, 1]"),
 ])
-def test_invalid_options_exit_2_with_a_message(model_dir, args, message, capsys):
-    assert main(["plan", "--model", model_dir, *args]) == 2
-    assert message in capsys.readouterr().err
+def test_invalid_options_exit_2_before_the_model_loads(tmp_path, command, args, message, capsys):
+    """The model path does not exist: a message about the option proves it was never loaded."""
+    model = [] if command == "demo" else ["--model", str(tmp_path / "never-loaded")]
+    assert main([command, *model, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "not a model directory" not in err
+
+
+def test_every_option_is_explained_with_its_default():
+    from lorc_fx.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"lorc {name} {action.option_strings}: no help"
+        assert "(default:" in sub.format_help() or name == "fetch-austen", name
+    shown = {name: " ".join(sub.format_help().split()) for name, sub in commands.items()}
+    assert "(the paper) | uniform (default: progressive)" in shown["plan"]
+    assert "(the paper) | uniform (default: calibrated)" in shown["eval"]
+
+
+def test_a_model_directory_without_tokenizer_says_so(model_dir, capsys):
+    assert main(["eval", "--model", model_dir]) == 2
+    assert "holds no tokenizer" in capsys.readouterr().err
 
 
 def test_missing_model_is_a_clear_error(tmp_path, capsys):

@@ -1,0 +1,67 @@
+"""``compress`` on models it cannot compress: a report that says why, never a traceback;
+bad options refused before the model is traced."""
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import lorc_fx
+from helpers.families import build, config_for
+
+
+class EmbeddingLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.head = nn.Linear(16, 100)
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids))
+
+
+def _llama_without_layers():
+    config = config_for("llama")
+    config.num_hidden_layers = 0
+    return build(config)
+
+
+@pytest.mark.parametrize("make, why", [
+    (_llama_without_layers, "its traced forward holds no attention"),
+    (EmbeddingLinear, "its traced forward holds no attention"),
+    (lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+     "cannot make token ids for Sequential"),
+])
+def test_a_model_without_attention_is_left_unchanged_with_a_reason(make, why, caplog):
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.WARNING, logger="lorc_fx.api"):
+        report = lorc_fx.compress(model, 0.6)
+    assert report.plan is None and why in report.left_alone
+    assert why in str(report) and report.cache_bytes_per_token() == (0, 0)
+    assert [r.getMessage() for r in caplog.records if why in r.getMessage()]
+    assert not hasattr(model, "_lorc_plan")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_plan_of_a_model_without_attention_raises_a_clear_error():
+    with pytest.raises(lorc_fx.NoAttentionFound, match="no attention to compress in"):
+        lorc_fx.plan(_llama_without_layers(), 0.6)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(cache_fraction=True), "cache_fraction must be a number"),
+    (dict(cache_fraction=0.0), "cache_fraction must be a number in (0, 1]"),
+    (dict(rank_multiple=2.5), "rank_multiple must be an integer >= 1, got 2.5"),
+    (dict(rope="sideways"), "unknown rope mode 'sideways'"),
+])
+def test_bad_options_fail_before_the_model_is_traced(options, message):
+    class Untraceable(nn.Module):  # tracing it would fail with another message
+        def forward(self, input_ids):
+            raise AssertionError("traced")
+
+    model = Untraceable()
+    model.p = nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lorc_fx.compress(model, **options)

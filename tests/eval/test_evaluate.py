@@ -1,0 +1,38 @@
+"""The evaluation refuses to report what it did not measure."""
+import pytest
+import torch
+
+from lorc_fx.eval.evaluate import (PROMPT_TOKENS, EvalOptions, agreement, evaluation_inputs,
+                                   prompts_from)
+
+
+class WordTokenizer:
+    """One token per word: enough to count prompt lengths."""
+
+    def __call__(self, text, return_tensors=None):
+        ids = [hash(w) % 1000 for w in text.split()]
+        out = torch.tensor([ids]) if return_tensors == "pt" else ids
+        return type("Encoding", (), {"input_ids": out})()
+
+
+def _text(paragraphs: int, words: int) -> str:
+    return "\n\n".join(" ".join(f"w{p}_{i}" for i in range(words)) for p in range(paragraphs))
+
+
+def test_no_prompts_means_no_generation_figures():
+    assert prompts_from(WordTokenizer(), _text(40, 50), 0) == []
+    assert agreement([], []) == {"token_agreement": None, "exact_match": None,
+                                 "mean_common_prefix": None}
+
+
+def test_paragraphs_shorter_than_a_prompt_are_refused():
+    short = _text(40, PROMPT_TOKENS - 1)
+    with pytest.raises(ValueError, match="only 0 evaluation paragraphs"):
+        prompts_from(WordTokenizer(), short, 2)
+    assert len(prompts_from(WordTokenizer(), _text(40, PROMPT_TOKENS), 2)) == 2
+
+
+def test_a_text_too_short_for_its_windows_is_refused_by_name():
+    options = EvalOptions(text="tiny.txt", tokens=4096, window=512, prompts=1)
+    with pytest.raises(ValueError, match="text 'tiny.txt': its evaluation part"):
+        evaluation_inputs(WordTokenizer(), _text(40, 50), options)
