@@ -15,7 +15,7 @@ from torch import nn
 from lorc_fx.analysis import analyze
 from lorc_fx.analysis.capture import NoTokenInputs
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
-from lorc_fx.cache import install
+from lorc_fx.cache import install, layers_kept_as_built
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.options import ROPE_MODES, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
@@ -54,7 +54,12 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
     basis, metrics = resolve(options.basis, model, blocks, options)
     options = replace(options, basis=basis)
     inputs = layer_inputs(named_params(model), blocks)
+    kept = layers_kept_as_built(getattr(model, "config", None))
     for layer in inputs:
+        if layer.layer in kept:
+            layer.compress_k = layer.compress_v = False
+            layer.note = (f"kept full: transformers builds its own {kept[layer.layer]} cache "
+                          "layer here")
         metric = metrics.get(layer.layer)
         if metric is not None:
             layer.input_gram = metric.input_gram

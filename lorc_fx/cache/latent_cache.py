@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer,
+                                     StaticLayer, get_layer_types_and_kwargs)
 
 from lorc_fx.plan.planner import Plan
 
@@ -16,6 +17,17 @@ from .rotary import RotaryLog
 def codecs(plan: Plan) -> dict[int, LatentCodec]:
     """The codec of every layer the plan does not skip, by layer index."""
     return {l.layer: LatentCodec.of(l) for l in plan.layers if not l.skipped}
+
+
+def layers_kept_as_built(config) -> dict[int, str]:
+    """The cache layers a :class:`LatentCache` leaves as transformers builds them for this
+    model config (sliding-window, chunked, linear attention, ...): index → layer type. Only
+    plain full-attention layers are swapped for latent ones, so a plan must count these full."""
+    if config is None:
+        return {}
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return {i: kind for i, kind in enumerate(layer_types)
+            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) is not DynamicLayer}
 
 
 class LatentCache(Cache):

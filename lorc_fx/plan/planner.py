@@ -234,7 +234,8 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
             layer=l.layer, k_full=ks.width, v_full=vs.width, k_rank=kr, v_rank=vr, skipped=s,
             kappa_k=kk, kappa_v=kv, log_kappa_cum=lk, num_heads=l.num_heads,
             num_kv_heads=l.num_kv_heads, head_dim=l.head_dim, rope=l.rope,
-            k_latent_of="pre_rope" if rotated and options.rope == "reconstruct" else "post_rope",
+            k_latent_of=("pre_rope" if rotated and l.compress_k and options.rope == "reconstruct"
+                         else "post_rope"),  # keys stored raw are the attention's own
             k_basis=ks.basis(kr), v_basis=vs.basis(vr),
             k_rebuild=ks.rebuild(kr), v_rebuild=vs.rebuild(vr),
             k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),

@@ -87,11 +87,29 @@ def test_latent_cache_keeps_beam_search_and_cropping():
     assert all(layer.keys.shape[-2] == length - 2 for layer in cache.layers)
 
 
-def test_sliding_window_layers_stay_standard():
-    model = build(config_for("gemma3"))  # q/k norm keeps keys full: 0.5 would zero values
-    compress(model, 0.75, schedule="uniform")
-    cache = latent_cache(model)
+@pytest.mark.parametrize("family, layers", [("gemma3", 2), ("mistral", 2)])
+@pytest.mark.parametrize("rope", ["commute", "reconstruct"])
+def test_report_is_what_the_generated_cache_holds(family, layers, rope):
+    """Sliding-window layers stay transformers' own (counted full, the budget spent on the
+    others); the report's bytes per token equal those measured from generate's cache (a
+    context within the window, where a sliding layer holds every token)."""
+    config = config_for(family, layers=layers)
+    if family == "mistral":
+        config.sliding_window, config.layer_types = 4, ["sliding_attention", "full_attention"]
+    model = build(config)
+    report = compress(model, 0.8, schedule="uniform", basis="weight", rope=rope)
+    ids, _ = prompt(batch=2)
+    out = model.generate(ids[:, :3], max_new_tokens=1, min_new_tokens=1, do_sample=False,
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
     assert isinstance(cache.layers[0], DynamicSlidingWindowLayer)
+    assert "sliding_attention" in report.plan.layers[0].note
+    assert not report.plan.layers[0].compressed
+    tokens = cache.get_seq_length() * ids.shape[0]
+    assert tokens <= 2 * model.config.sliding_window
+    assert cache.cache_bytes() / tokens == report.cache_bytes_per_token()[1]
+    assert report.plan.cache_fraction <= 0.8 + 2 * 8 / sum(l.k_full + l.v_full
+                                                         for l in report.plan.layers)
 
 
 @pytest.mark.parametrize("rope", ["commute", "reconstruct"])
