@@ -16,7 +16,8 @@ Order and invariants (docs/design.md, "Compile invariants"):
    by one.
 
 The manager is an Inductor ``CustomGraphModulePass``: its ``uuid()`` hashes the source of
-every pass and the plan options, the key Inductor's caches expect of a custom pass.
+every pass (their shared ``graph_utils`` included) and the plan options, the key Inductor's
+caches expect of a custom pass.
 """
 from __future__ import annotations
 
@@ -29,12 +30,12 @@ from torch._inductor.custom_graph_pass import CustomGraphModulePass, get_hash_fo
 from lorc_fx.cache.latent_ops import LOWERINGS
 from lorc_fx.plan.options import PlanOptions
 
-from .passes import absorb_latent_attention, compress_attention, lower_latent_ops
+from .passes import absorb_latent_attention, compress_attention, graph_utils, lower_latent_ops
 from .passes.compress_attention import GraphCompression
 
 PASS_ORDER = ("compress_attention", "absorb_latent_attention", "lower_latent_ops")
 _PASS_FILES = tuple(m.__file__ for m in (compress_attention, absorb_latent_attention,
-                                         lower_latent_ops)) + (__file__,)
+                                         lower_latent_ops, graph_utils)) + (__file__,)
 
 
 @dataclass

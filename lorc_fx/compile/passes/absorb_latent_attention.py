@@ -20,10 +20,12 @@ from .graph_utils import SDPA_TARGETS, erase_if_unused, strip_repeat_kv
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
+_RECONSTRUCT_ARGS = ("latent", "basis", "num_heads")
 
 
-def _sdpa_kwargs(node: fx.Node) -> dict:
-    bound = dict(zip(_SDPA_ARGS, node.args))
+def _bound(node: fx.Node, names: tuple[str, ...]) -> dict:
+    """A call's arguments by name, whether given by position or by keyword."""
+    bound = dict(zip(names, node.args))
     bound.update(node.kwargs)
     return bound
 
@@ -34,14 +36,15 @@ def absorb_latent_attention(gm: fx.GraphModule) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
-        a = _sdpa_kwargs(node)
+        a = _bound(node, _SDPA_ARGS)
         k_src, v_src = strip_repeat_kv(a["key"]), strip_repeat_kv(a["value"])
         if not (k_src.target is RECONSTRUCT and v_src.target is RECONSTRUCT):
             continue
-        (k_latent, k_basis, h_kv), (v_latent, v_basis, _) = k_src.args, v_src.args
+        k, v = _bound(k_src, _RECONSTRUCT_ARGS), _bound(v_src, _RECONSTRUCT_ARGS)
         with graph.inserting_before(node):
             new = graph.call_function(latent_attention, (
-                a["query"], k_latent, v_latent, k_basis, v_basis, h_kv), dict(
+                a["query"], k["latent"], v["latent"], k["basis"], v["basis"],
+                k["num_heads"]), dict(
                 attn_mask=a.get("attn_mask"), dropout_p=a.get("dropout_p", 0.0),
                 is_causal=a.get("is_causal", False), scale=a.get("scale")))
         new.meta = dict(node.meta)

@@ -1,6 +1,8 @@
 """Small helpers shared by the rewrite passes."""
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -28,26 +30,58 @@ def erase_if_unused(graph: fx.Graph, nodes) -> None:
             pending.extend(inputs)
 
 
-_VIEW_METHODS = {"expand", "reshape", "view", "contiguous", "unsqueeze"}
+_FUNCTIONS = {torch.Tensor.expand: "expand", torch.reshape: "reshape",
+              torch.unsqueeze: "unsqueeze", operator.getitem: "getitem"}
+
+
+def _op(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    return _FUNCTIONS.get(node.target) if node.op == "call_function" else None
 
 
 def strip_repeat_kv(node: fx.Node) -> fx.Node:
-    """Walk back through ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``)."""
+    """Walk back through ``repeat_kv`` (``x[:, :, None].expand(...).reshape(...)``).
+
+    ``repeat_kv`` puts the ``n_rep`` copies of each KV head next to each other, so query head
+    ``i`` reads KV head ``i // n_rep``: the grouping of SDPA's ``enable_gqa`` and of the
+    absorbed form. The walk passes ``contiguous``, ``expand``, a reshape/view of an expand,
+    and one new axis right after the head axis; anything else ends it. A new axis before the
+    heads (``x[:, None].expand(...).reshape(...)``) tiles them instead, head ``i`` reading
+    KV head ``i % h_kv``, which the absorbed form does not compute.
+    """
     while True:
-        if node.op == "call_method" and node.target in _VIEW_METHODS:
+        op = _op(node)
+        if op == "contiguous" or op == "expand":
             node = node.args[0]
-        elif node.op == "call_function" and node.target in (torch.Tensor.expand, torch.reshape,
-                                                             torch.unsqueeze):
+        elif op in ("reshape", "view") and _op(_skip_contiguous(node.args[0])) == "expand":
             node = node.args[0]
-        elif node.op == "call_function" and node.target is __import__("operator").getitem \
-                and _is_none_insert(node.args[1]):
+        elif op == "unsqueeze" and _unsqueeze_dim(node) in (2, -3):
+            node = node.args[0]
+        elif op == "getitem" and _inserts_axis_after_heads(node.args[1]):
             node = node.args[0]
         else:
             return node
 
 
-def _is_none_insert(index) -> bool:
-    """``x[:, :, None, :, :]``: slices that keep everything plus inserted axes."""
-    if not isinstance(index, tuple) or None not in index:
+def _skip_contiguous(node):
+    while isinstance(node, fx.Node) and _op(node) == "contiguous":
+        node = node.args[0]
+    return node
+
+
+def _unsqueeze_dim(node: fx.Node):
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+
+
+def _inserts_axis_after_heads(index) -> bool:
+    """``x[:, :, None]`` (or ``x[..., None, :, :]`` of a 4-d ``(b, h_kv, n, d)``): slices that
+    keep everything plus one new axis at dim 2."""
+    if not isinstance(index, tuple) or sum(i is None for i in index) != 1:
         return False
-    return all(i is None or i is Ellipsis or i == slice(None) for i in index)
+    if not all(i is None or i is Ellipsis or i == slice(None) for i in index):
+        return False
+    at = next(k for k, i in enumerate(index) if i is None)
+    if any(i is Ellipsis for i in index[:at]):
+        return len(index) - at - 1 == 2
+    return at == 2
