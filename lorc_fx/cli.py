@@ -61,7 +61,7 @@ def _write_json(path: str, data) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from lorc_fx.api import plan
+    from lorc_fx.api import plan, save_plan
     from lorc_fx.data.models import load_model
     from lorc_fx.report import plan_table, plot_plan
 
@@ -76,6 +76,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.plot:
         plot_plan(result, args.plot)
         print(f"wrote {args.plot}")
+    if args.save:
+        print(f"wrote {save_plan(result, args.save)}")
 
 
 def cmd_analyze(args: argparse.Namespace) -> None:
@@ -111,7 +113,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     text = load_text(args.text)
     blocks = analyze(model)
     loaded = time.perf_counter()
-    report = compress(model, blocks=blocks, **_plan_kwargs(args))
+    if args.plan:
+        given = _plan_kwargs(args) != _plan_kwargs(build_parser().parse_args(["eval"]))
+        if given:
+            raise ValueError("--plan installs a saved plan as it is; drop the plan options "
+                             "(--cache-fraction, --schedule, --basis, --rope, ...)")
+        report = compress(model, blocks=blocks, plan=args.plan)
+    else:
+        report = compress(model, blocks=blocks, **_plan_kwargs(args))
     planned = time.perf_counter()
     result = evaluate(model, tokenizer, text, EvalOptions(
         tokens=args.tokens, window=args.window, prompts=args.prompts,
@@ -187,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_options(p)
     p.add_argument("--json", help="write the plan as JSON")
     p.add_argument("--plot", help="write a PNG of ranks and log κ̃ by layer")
+    p.add_argument("--save", help="write the plan (bases, ranks, options, model fingerprint) "
+                                  "as a safetensors file, or lorc_plan.safetensors in a "
+                                  "directory, for `lorc eval --plan` or compress(model, plan=...)")
     # `lorc plan` shows the paper's plan (progressive ranks from weight-only SVD) unless told
     # otherwise; compress/eval/demo default to the measured best (calibrated, auto basis).
     p.set_defaults(run=cmd_plan, schedule="progressive", basis="weight")
@@ -207,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="score compiled: the full cache with Inductor, the latent cache "
                         "with lorc_backend")
+    p.add_argument("--plan", help="install the plan `lorc plan --save` wrote (no calibrating or "
+                                  "planning; it must be this model's); plan options are refused")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 
