@@ -1,4 +1,5 @@
-"""The user's entry points: ``analyze`` a model's attention, ``plan`` its ranks, ``compress`` it.
+"""The user's entry points: ``analyze`` a model's attention, ``plan`` its ranks, ``compress`` it,
+``save_plan`` / ``load_plan`` to compress it again later without planning.
 
 Orchestration only: each stage's work lives in its package (``analysis`` → ``plan`` →
 ``cache``); what is measured through the real latent cache (the key/value split, the RoPE
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import replace
 
 import torch
@@ -16,6 +18,7 @@ from lorc_fx.analysis import analyze
 from lorc_fx.analysis.capture import NoTokenInputs
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
 from lorc_fx.cache import install, layers_kept_as_built
+from lorc_fx.plan import plan_file
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.options import ROPE_MODES, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
@@ -23,9 +26,9 @@ from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.report import CompressionReport
 from lorc_fx.search.split import held_out_loss, measured_split
 
-# bases measured on calibration text; with them the calibrated schedule measures its split too
 log = logging.getLogger(__name__)
 
+# bases measured on calibration text; with them the calibrated schedule measures its split too
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
 
 
@@ -140,22 +143,77 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
             refused.append(err)
             continue
         if loss is None:  # nothing to compare on: the first mode that plans
-            return result
+            planned = [(0.0, result)]
+            break
         planned.append((loss, result))
     if not planned:
         raise refused[0]
-    return min(planned, key=lambda p: p[0])[1]
+    best = min(planned, key=lambda p: p[0])[1]
+    return replace(best, fingerprint=plan_file.plan_fingerprint(model),
+                   model_name=plan_file.model_name(model))
 
 
-def compress(model: nn.Module, cache_fraction: float = 0.6, *,
+_plan = plan  # ``compress`` takes a ``plan=`` argument
+
+
+def load_plan(path: str | os.PathLike, model: nn.Module | None = None,
+              blocks: list[AttentionBlock] | None = None) -> Plan:
+    """The plan :func:`save_plan` wrote to ``path`` (a file, or a directory holding
+    ``lorc_plan.safetensors``). With ``model``, it is checked against it: a plan for another
+    model (by fingerprint), or whose layers are not the model's attention blocks
+    (``blocks``, default: :func:`analyze`), raises a ``ValueError`` naming the file."""
+    loaded = plan_file.load_plan(path)
+    if model is not None:
+        plan_file.check_fits(loaded, model, analyze(model) if blocks is None else blocks,
+                             plan_file.plan_path(path))
+    return loaded
+
+
+def save_plan(source: nn.Module | Plan | CompressionReport, path: str | os.PathLike):
+    """Write the plan of ``source`` (a model :func:`compress` compressed, its report, or a
+    :func:`plan`) to ``path``: one safetensors file (``lorc_plan.safetensors`` where ``path``
+    is a directory) with the bases as tensors and the ranks, options and the model's
+    fingerprint as JSON metadata (docs/design.md, "The plan file"). Logs the file written,
+    once, at INFO, and returns its path. ``compress(model, plan=path)`` installs it again."""
+    if isinstance(source, CompressionReport):
+        source = source.plan
+    if isinstance(source, nn.Module):
+        planned = getattr(source, "_lorc_plan", None)
+        if planned is None:
+            raise ValueError(f"{type(source).__name__} was not compressed: there is no plan to "
+                             "save (call lorc_fx.compress(model, ...) first)")
+        if planned.fingerprint is None:
+            planned = replace(planned, fingerprint=plan_file.plan_fingerprint(source),
+                              model_name=plan_file.model_name(source))
+        source = planned
+    if not isinstance(source, Plan):
+        raise TypeError(f"save_plan saves the plan of a compressed model, a CompressionReport "
+                        f"or a Plan, not {type(source).__name__}")
+    return plan_file.save_plan(source, path)
+
+
+def compress(model: nn.Module, cache_fraction: float | None = None, *,
+             plan: str | os.PathLike | Plan | None = None,
              blocks: list[AttentionBlock] | None = None, **plan_options) -> CompressionReport:
-    """Plan LoRC ranks for ``model`` and make its ``generate`` use a latent KV cache.
+    """Plan LoRC ranks for ``model`` (keeping ``cache_fraction`` of its cache, default 0.6,
+    options as for :func:`plan`) and make its ``generate`` use a latent KV cache.
+
+    ``plan`` installs a plan instead: a path :func:`save_plan` wrote (or a :class:`Plan`);
+    nothing is calibrated or planned, only analysed, and a plan for another model, or one
+    whose layers are not this model's attention blocks, is refused with a ``ValueError``.
 
     Returns a report: per-layer ranks, cache bytes per token full vs compressed, and the
-    attention blocks left uncompressed with the reason. A model with no attention the
-    analysis can compress is left unchanged, with a warning and a report that says why.
+    attention blocks left uncompressed with the reason; ``report.save(path)`` writes its plan.
+    A model with no attention the analysis can compress is left unchanged, with a warning
+    and a report that says why.
     """
-    checked_options(cache_fraction, **plan_options)  # bad options fail before any analysis
+    if plan is not None and (cache_fraction is not None or plan_options):
+        given = (["cache_fraction"] if cache_fraction is not None else []) + sorted(plan_options)
+        raise ValueError(f"compress(plan=...) installs a saved plan as it is; "
+                         f"{', '.join(given)} cannot change it (plan again without plan=)")
+    cache_fraction = 0.6 if cache_fraction is None else cache_fraction
+    if plan is None:
+        checked_options(cache_fraction, **plan_options)  # bad options fail before any analysis
     dtype_bytes = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     try:
         if blocks is None:
@@ -166,7 +224,13 @@ def compress(model: nn.Module, cache_fraction: float = 0.6, *,
         log.warning("lorc_fx.compress: %s; the model is left unchanged", why)
         return CompressionReport(None, [(b.layer, b.reason) for b in blocks or []], dtype_bytes,
                                  left_alone=str(why))
-    planned = plan(model, cache_fraction, blocks=blocks, **plan_options)
+    if plan is None:
+        planned = _plan(model, cache_fraction, blocks=blocks, **plan_options)
+    elif isinstance(plan, Plan):
+        plan_file.check_fits(plan, model, blocks)
+        planned = plan
+    else:
+        planned = load_plan(plan, model, blocks)
     install(model, planned, blocks)
     unsupported = [(b.layer, b.reason) for b in blocks if not b.supported]
     return CompressionReport(planned, unsupported, dtype_bytes)

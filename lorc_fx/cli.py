@@ -74,7 +74,7 @@ def _write_json(path: str, data) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from lorc_fx.api import plan
+    from lorc_fx.api import plan, save_plan
     from lorc_fx.data.models import load_model
     from lorc_fx.report import plan_table, plot_plan
 
@@ -90,6 +90,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if args.plot:
         plot_plan(result, args.plot)
         print(f"wrote {args.plot}")
+    if args.save:
+        print(f"wrote {save_plan(result, args.save)}")
 
 
 def cmd_analyze(args: argparse.Namespace) -> None:
@@ -121,8 +123,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from lorc_fx.data.texts import load_text
 
     kwargs = _plan_kwargs(args)
-    options = EvalOptions(text=args.text, tokens=args.tokens, window=args.window, prompts=args.prompts,
-                          new_tokens=args.new_tokens, compile=args.compile)
+    if args.plan and kwargs != _plan_kwargs(build_parser().parse_args(["eval"])):
+        raise ValueError("--plan installs a saved plan as it is; drop the plan options "
+                         "(--cache-fraction, --schedule, --basis, --rope, ...)")
+    options = EvalOptions(text=args.text, tokens=args.tokens, window=args.window,
+                          prompts=args.prompts, new_tokens=args.new_tokens, compile=args.compile)
     text = load_text(args.text)
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
@@ -130,7 +135,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model = load_model(args.model)
     blocks = analyze(model)
     loaded = time.perf_counter()
-    report = compress(model, blocks=blocks, **kwargs)
+    report = (compress(model, blocks=blocks, plan=args.plan) if args.plan
+              else compress(model, blocks=blocks, **kwargs))
     if report.plan is None:
         raise ValueError(report.left_alone)
     planned = time.perf_counter()
@@ -224,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_options(p)
     p.add_argument("--json", help="write the plan as JSON")
     p.add_argument("--plot", help="write a PNG of ranks and log κ̃ by layer")
+    p.add_argument("--save", help="write the plan (bases, ranks, options, model fingerprint) "
+                                  "as a safetensors file, or lorc_plan.safetensors in a "
+                                  "directory, for `lorc eval --plan` or compress(model, plan=...)")
     # `lorc plan` shows the paper's plan (progressive ranks from weight-only SVD) unless told
     # otherwise; compress/eval/demo default to the measured best (calibrated, auto basis).
     p.set_defaults(run=cmd_plan, schedule="progressive", basis="weight")
@@ -247,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="score compiled: the full cache with Inductor, the latent cache "
                         "with lorc_backend")
+    p.add_argument("--plan", help="install the plan `lorc plan --save` wrote (no calibrating or "
+                                  "planning; it must be this model's); plan options are refused")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 

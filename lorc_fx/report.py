@@ -2,9 +2,12 @@
 ``compress``'s report."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lorc_fx.analysis.records import AttentionBlock, Projection, RopeLayout
+from lorc_fx.plan import plan_file
 from lorc_fx.plan.planner import Plan
 
 
@@ -65,6 +68,11 @@ class CompressionReport:
             return 0, 0
         full, kept = self.plan.cache_elements_per_token()
         return full * self.dtype_bytes, kept * self.dtype_bytes
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan to ``path`` (``lorc_fx.save_plan``); ``compress(model, plan=path)``
+        installs it again without planning. Returns the file written."""
+        return plan_file.save_plan(self.plan, path)
 
     def to_json(self) -> dict:
         full, kept = self.cache_bytes_per_token()

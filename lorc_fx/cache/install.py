@@ -4,10 +4,12 @@
 the plan on the model, wraps ``_prepare_cache_for_generation`` so the fresh
 ``DynamicCache``/``StaticCache`` that ``generate`` builds becomes a :class:`LatentCache`,
 and, for keys cached before RoPE, puts a forward pre-hook on each attention module that
-hands the cache the step's ``(cos, sin)``.
+hands the cache the step's ``(cos, sin)``. Its ``save_pretrained`` (where the class has one)
+warns once that it saves the plain model, not the plan.
 """
 from __future__ import annotations
 
+import logging
 import types
 from contextlib import contextmanager
 
@@ -19,6 +21,8 @@ from lorc_fx.analysis.records import AttentionBlock, attention_module
 from lorc_fx.plan.planner import Plan
 
 from .latent_cache import LatentCache
+
+log = logging.getLogger(__name__)
 
 
 def latent_cache(model: nn.Module, max_cache_len: int | None = None) -> LatentCache:
@@ -66,6 +70,20 @@ def _prepare_latent_cache(self, generation_config, model_kwargs, *args, **kwargs
         model_kwargs["past_key_values"] = LatentCache.from_cache(cache, self._lorc_plan)
 
 
+def _save_pretrained_plain(self, *args, **kwargs):
+    """The class's ``save_pretrained``, after one warning per model that what it writes is
+    the plain model (the plan lives apart, in a plan file)."""
+    if not getattr(self, "_lorc_save_warned", False):
+        self._lorc_save_warned = True
+        log.warning(
+            "save_pretrained writes the plain %s: the LoRC plan that lorc_fx.compress installed "
+            "is not part of it, so a reloaded model caches full keys and values. Save the plan "
+            "too with lorc_fx.save_plan(model, PATH) (or report.save(PATH)); after loading, "
+            "lorc_fx.compress(model, plan=PATH) installs it without calibrating or planning",
+            type(self).__name__)
+    return type(self).save_pretrained(self, *args, **kwargs)
+
+
 def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
     """Make ``model.generate`` cache latents of ``plan`` (replacing an earlier install)."""
     model._lorc_plan = plan
@@ -73,3 +91,5 @@ def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
         handle.remove()
     model._lorc_hooks = _angle_hooks(model, blocks, plan)
     model._prepare_cache_for_generation = types.MethodType(_prepare_latent_cache, model)
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = types.MethodType(_save_pretrained_plain, model)

@@ -119,6 +119,10 @@ class Plan:
     reachable: tuple[float, float]
 
     rotary_log: int = 0  # elements per token of the RoPE angles a reconstruct-mode cache keeps
+    # the model planned (``plan_file.plan_fingerprint``, and its name): set by
+    # ``lorc_fx.plan``, saved with the plan and checked where a saved plan is installed
+    fingerprint: str | None = None
+    model_name: str | None = None
 
     @property
     def cache_fraction(self) -> float:
@@ -144,6 +148,7 @@ class Plan:
             "reachable": list(self.reachable),
             "options": asdict(self.options),
             "layers": [l.summary() for l in self.layers],
+            "model": self.model_name, "fingerprint": self.fingerprint,
         }
 
 

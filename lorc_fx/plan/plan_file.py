@@ -1,0 +1,237 @@
+"""A plan on disk: one safetensors file that a later ``compress(model, plan=PATH)`` installs
+without calibrating or planning again.
+
+The file (``lorc_plan.safetensors`` by default; docs/design.md, "The plan file") holds
+
+- tensors ``"{layer}.k_basis"``, ``"{layer}.v_basis"`` (latent rows ``P``, ``(rank, full)``,
+  float64 as planned) and, for an oblique basis only, ``"{layer}.k_rebuild"`` /
+  ``"{layer}.v_rebuild"`` (rebuild rows ``B``; an orthonormal basis rebuilds with ``P``);
+- one metadata entry, ``"lorc_fx.plan"``: JSON with the format version, the model's
+  fingerprint (:func:`plan_fingerprint`) and name, the plan's options, reachable range and
+  RoPE angle log, and every :class:`LayerPlan` field that is not a tensor.
+
+The fingerprint hashes the model's config and a fixed sample of every weight, so a plan is
+refused on another model, but not on the same weights loaded from another directory, onto
+another device or in another floating-point dtype.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lorc_fx.analysis.records import AttentionBlock, RopeLayout
+
+from .options import CalibrationOptions, PlanOptions
+from .planner import LayerPlan, Plan
+
+log = logging.getLogger(__name__)
+
+PLAN_FILE = "lorc_plan.safetensors"  # the file name used when a path names a directory
+FORMAT = "lorc_fx.plan"  # the metadata key, and the JSON's "format"
+VERSION = 1  # bump when what the file holds changes
+_SAMPLES = 1024  # weight values hashed per tensor
+# config keys that loading or saving changes (``save_pretrained`` fills in ``architectures``
+# and ``dtype``); the parameters' names and shapes say which head the model has
+_VOLATILE = {"transformers_version", "dtype", "torch_dtype", "use_cache", "architectures"}
+_TENSORS = ("k_basis", "v_basis", "k_rebuild", "v_rebuild")
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be read, or that does not fit the model."""
+
+
+def _stable(config):
+    """The config without what loading or saving changes: where it came from (private ``_``
+    keys, ``_name_or_path`` among them) and ``_VOLATILE``."""
+    if isinstance(config, dict):
+        return {k: _stable(v) for k, v in config.items()
+                if not k.startswith("_") and k not in _VOLATILE}
+    if isinstance(config, list):
+        return [_stable(v) for v in config]
+    return config
+
+
+@torch.no_grad()
+def plan_fingerprint(model: nn.Module) -> str:
+    """A hash of the model's config (:func:`_stable`) and of every parameter's name, shape
+    and ``_SAMPLES`` evenly spaced values rounded to bfloat16: the same for the same weights
+    wherever they were loaded from, on any device, in any float dtype.
+
+    (``calibration.model_fingerprint`` keys on-disk caches and hashes the path the model was
+    loaded from and float sums that differ across devices; for a file meant to move between
+    machines this one is used instead.)"""
+    h = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None:
+        h.update(json.dumps(_stable(json.loads(config.to_json_string(use_diff=False))),
+                            sort_keys=True).encode())
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        n = flat.numel()
+        k = min(n, _SAMPLES)
+        index = torch.arange(k, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
+        values = flat[index.to(flat.device)].to(torch.bfloat16).cpu().view(torch.int16)
+        h.update(f"{name}|{tuple(p.shape)}|".encode())
+        h.update(values.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_name(model: nn.Module) -> str:
+    """The model's class and where it was loaded from, for messages."""
+    source = getattr(model, "name_or_path", "") or getattr(
+        getattr(model, "config", None), "_name_or_path", "")
+    return type(model).__name__ + (f" ({source})" if source else "")
+
+
+def plan_path(path: str | os.PathLike) -> Path:
+    """``path``, or ``PLAN_FILE`` inside it where it names a directory."""
+    path = Path(path).expanduser()
+    return path / PLAN_FILE if path.is_dir() else path
+
+
+def _layer_json(layer: LayerPlan) -> dict:
+    out = {f.name: getattr(layer, f.name) for f in fields(LayerPlan) if f.name not in _TENSORS}
+    out["rope"] = asdict(layer.rope)
+    out["k_oblique"] = not torch.equal(layer.k_rebuild, layer.k_basis)
+    out["v_oblique"] = not torch.equal(layer.v_rebuild, layer.v_basis)
+    return out
+
+
+def _plan_json(plan: Plan) -> dict:
+    return {"format": FORMAT, "version": VERSION, "fingerprint": plan.fingerprint,
+            "model": plan.model_name, "cache_fraction": plan.cache_fraction,
+            "options": asdict(plan.options), "reachable": list(plan.reachable),
+            "rotary_log": plan.rotary_log, "layers": [_layer_json(l) for l in plan.layers]}
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
+    """Write ``plan`` to ``path`` (a file, or a directory to hold ``PLAN_FILE``); returns the
+    file written, and logs it once at INFO. The plan must record its model's fingerprint,
+    as every plan of ``lorc_fx.plan``/``compress`` does."""
+    if plan.fingerprint is None:
+        raise ValueError("this plan records no model fingerprint, so a file of it could not "
+                         "be checked against a model; save the plan of lorc_fx.plan(model) or "
+                         "of a model lorc_fx.compress compressed")
+    path = plan_path(path)
+    tensors = {}
+    for layer in plan.layers:
+        for side in ("k", "v"):
+            basis = getattr(layer, f"{side}_basis")
+            tensors[f"{layer.layer}.{side}_basis"] = basis.detach().cpu().contiguous().clone()
+            rebuild = getattr(layer, f"{side}_rebuild")
+            if not torch.equal(rebuild, basis):
+                tensors[f"{layer.layer}.{side}_rebuild"] = rebuild.detach().cpu().contiguous().clone()
+    from safetensors.torch import save
+
+    data = save(tensors, metadata={FORMAT: json.dumps(_plan_json(plan))})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # renamed once whole
+    try:
+        tmp.write_bytes(data)  # (safetensors' save_file would make it owner-only)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    log.info("wrote LoRC plan of %d layers (cache fraction %.4f, %s) to %s", len(plan.layers),
+             plan.cache_fraction, plan.model_name or "model " + plan.fingerprint, path)
+    return path
+
+
+def _options(data: dict) -> PlanOptions:
+    calibration = dict(data.pop("calibration"))
+    calibration["texts"] = tuple(calibration["texts"])
+    return PlanOptions(**data, calibration=CalibrationOptions(**calibration))
+
+
+def _tensor(f, name: str, shape: tuple[int, int], source: Path) -> torch.Tensor:
+    if name not in f.keys():
+        raise PlanFileError(f"plan file {source} lacks the tensor {name!r}")
+    t = f.get_tensor(name)
+    if tuple(t.shape) != shape or not t.is_floating_point():
+        raise PlanFileError(f"plan file {source}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, "
+                            f"the plan says a floating-point {shape}")
+    return t
+
+
+def _layer(f, data: dict, source: Path) -> LayerPlan:
+    data = dict(data)
+    oblique = {side: data.pop(f"{side}_oblique") for side in ("k", "v")}
+    data["rope"] = RopeLayout(**data["rope"])
+    for side in ("k", "v"):
+        shape = (data[f"{side}_rank"], data[f"{side}_full"])
+        basis = _tensor(f, f"{data['layer']}.{side}_basis", shape, source)
+        data[f"{side}_basis"] = basis
+        data[f"{side}_rebuild"] = (_tensor(f, f"{data['layer']}.{side}_rebuild", shape, source)
+                                   if oblique[side] else basis)
+    return LayerPlan(**data)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """The plan saved at ``path`` (a file, or a directory holding ``PLAN_FILE``). Raises
+    ``FileNotFoundError`` where there is none and :class:`PlanFileError` (a ``ValueError``)
+    where the file is not a plan this version reads; both name the file."""
+    source = plan_path(path)
+    if not source.is_file():
+        raise FileNotFoundError(f"no LoRC plan file at {source}"
+                                + (f" (looked for {PLAN_FILE} in the directory)"
+                                   if source.name == PLAN_FILE and source.parent.is_dir() else ""))
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(source), framework="pt") as f:
+            text = (f.metadata() or {}).get(FORMAT)
+            if text is None:
+                raise PlanFileError(f"{source} is a safetensors file but not a LoRC plan "
+                                    f"(no {FORMAT!r} metadata)")
+            data = json.loads(text)
+            if data.get("format") != FORMAT or not isinstance(data.get("version"), int):
+                raise PlanFileError(f"{source} is not a LoRC plan file")
+            if data["version"] > VERSION:
+                raise PlanFileError(f"plan file {source} has format version {data['version']}; "
+                                    f"this lorc_fx reads up to {VERSION}: update lorc_fx")
+            layers = [_layer(f, l, source) for l in data["layers"]]
+            plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]),
+                        data["rotary_log"], fingerprint=data["fingerprint"],
+                        model_name=data.get("model"))
+    except PlanFileError:
+        raise
+    except Exception as err:  # safetensors' own error, bad JSON, missing or mistyped fields
+        raise PlanFileError(f"cannot read the LoRC plan file {source}: it is corrupt or not a "
+                            f"plan file ({type(err).__name__}: {err})") from err
+    return plan
+
+
+def check_fits(plan: Plan, model: nn.Module, blocks: list[AttentionBlock],
+               source: str | os.PathLike = "the plan") -> None:
+    """Refuse (:class:`PlanFileError`, naming ``source``) a plan made for another model, or
+    whose layers are not the model's attention blocks as this analysis finds them."""
+    fingerprint = plan_fingerprint(model)
+    if plan.fingerprint is not None and plan.fingerprint != fingerprint:
+        made_for = plan.model_name or "another model"
+        raise PlanFileError(
+            f"{source} is a plan for {made_for} (fingerprint {plan.fingerprint}), not for this "
+            f"{model_name(model)} (fingerprint {fingerprint}): the config or weights differ. "
+            f"Plan this model instead: lorc_fx.compress(model, cache_fraction)")
+    supported = {b.layer: b for b in blocks if b.supported}
+    planned = [l.layer for l in plan.layers]
+    if sorted(planned) != sorted(supported):
+        raise PlanFileError(f"{source} plans attention layers {planned}, but the analysis of "
+                            f"this model finds {sorted(supported)}")
+    for l in plan.layers:
+        b = supported[l.layer]
+        found = dict(num_heads=b.num_heads, num_kv_heads=b.num_kv_heads, head_dim=b.head_dim,
+                     rope=b.rope_k, k_full=b.k.width, v_full=b.v.width,
+                     k_compressible=b.k_path in ("none", "rope"),
+                     v_compressible=b.v_path == "none")
+        differ = {k: (getattr(l, k), v) for k, v in found.items() if getattr(l, k) != v}
+        if differ:
+            detail = ", ".join(f"{k} {p} in the plan, {m} in the model"
+                               for k, (p, m) in differ.items())
+            raise PlanFileError(f"{source}: layer {l.layer} does not fit this model: {detail}")
