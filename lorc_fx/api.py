@@ -32,17 +32,21 @@ log = logging.getLogger(__name__)
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
 
 
-def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock]) -> list[str]:
-    """The RoPE modes to plan: ``auto`` tries ``commute`` and, where every rotary attention
-    module takes the step's angles as ``position_embeddings`` (the latent cache needs them to
-    rotate rebuilt keys), ``reconstruct``. An explicit ``reconstruct`` on a model whose
-    attention does not take them is refused."""
+def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock],
+               objective: str = "quality") -> list[str]:
+    """The RoPE modes to plan: ``auto`` tries ``commute`` and, for ``objective="quality"``
+    where every rotary attention module takes the step's angles as ``position_embeddings``
+    (the latent cache needs them to rotate rebuilt keys), ``reconstruct``; for
+    ``objective="speed"`` only ``commute``, whose keys absorbed attention reads without
+    rebuilding them. An explicit ``reconstruct`` on a model whose attention does not take
+    the angles is refused."""
     rotary = [b for b in blocks if b.supported and b.rope_k.style != "none"]
     hands_angles = all(
         "position_embeddings" in inspect.signature(attention_module(model, b).forward).parameters
         for b in rotary)
     if rope == "auto":
-        return ["commute", "reconstruct"] if rotary and hands_angles else ["commute"]
+        both = rotary and hands_angles and objective == "quality"
+        return ["commute", "reconstruct"] if both else ["commute"]
     if rope == "reconstruct" and not hands_angles:
         raise ValueError(
             f"rope='reconstruct' needs the RoPE angles of each step, but the attention modules "
@@ -80,7 +84,8 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     rope: str = "auto", basis: str = "auto",
                     skip_threshold: float | None = None, keep_first: int = 0,
                     rank_multiple: int = 8, key_fraction: float | None = None,
-                    calibration: CalibrationOptions | None = None) -> PlanOptions:
+                    calibration: CalibrationOptions | None = None,
+                    objective: str = "quality") -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
     mode :func:`rope_modes` tries."""
@@ -90,7 +95,7 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                        rope="commute" if rope == "auto" else rope, basis=basis,
                        skip_threshold=skip_threshold, keep_first=keep_first,
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
-                       calibration=calibration or CalibrationOptions())
+                       calibration=calibration or CalibrationOptions(), objective=objective)
 
 
 def _require_attention(model: nn.Module, blocks: list[AttentionBlock]) -> None:
@@ -111,7 +116,7 @@ class NoAttentionFound(ValueError):
 def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "calibrated",
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
-         calibration: CalibrationOptions | None = None,
+         calibration: CalibrationOptions | None = None, objective: str = "quality",
          blocks: list[AttentionBlock] | None = None) -> Plan:
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V cache.
 
@@ -124,17 +129,20 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     lower held-out calibration loss; without calibration, ``commute``. Caching keys before
     RoPE lets a data-aware key basis ignore the rotation (bench/quality.md: much better on
     SmolLM2), but the cache then keeps the angles too, which a small model's budget may not
-    repay. The plan's options record the basis and mode used. A model without attention
+    repay; and decode then rebuilds keys over the whole context every step, several times
+    slower than the full cache at long context (bench/results/long_context-cpu.md):
+    ``objective="speed"`` plans ``commute`` only. The plan's options record the basis and
+    mode used. A model without attention
     the analysis can compress raises :class:`NoAttentionFound`.
     """
     options = checked_options(cache_fraction, schedule=schedule, rope=rope, basis=basis,
                               skip_threshold=skip_threshold, keep_first=keep_first,
                               rank_multiple=rank_multiple, key_fraction=key_fraction,
-                              calibration=calibration)
+                              calibration=calibration, objective=objective)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)
-    modes = rope_modes(rope, model, blocks)
+    modes = rope_modes(rope, model, blocks, objective)
     planned, refused = [], []
     for mode in modes:
         try:

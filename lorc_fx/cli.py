@@ -33,6 +33,10 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                    help="auto (both modes where the model hands attention its RoPE angles, "
                         "the better on calibration text) | reconstruct (cache keys before "
                         "RoPE, plus the angles) | commute (cache keys after it)")
+    p.add_argument("--objective", default="quality",
+                   help="what --rope auto optimises: quality (held-out loss) | speed (only "
+                        "commute, whose keys decode reads without rebuilding them; reconstruct "
+                        "decodes several times slower at long context)")
     p.add_argument("--skip-threshold", type=float, default=None,
                    help="layers whose cumulative condition number exceeds this stay full")
     p.add_argument("--keep-first", type=int, default=0, help="the first N layers stay full")
@@ -54,7 +58,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
     from lorc_fx.api import checked_options
     from lorc_fx.plan.calibration import CalibrationOptions
 
-    kwargs = dict(rope=args.rope, skip_threshold=args.skip_threshold, keep_first=args.keep_first,
+    kwargs = dict(rope=args.rope, objective=args.objective, skip_threshold=args.skip_threshold, keep_first=args.keep_first,
                   rank_multiple=args.rank_multiple, key_fraction=args.key_fraction,
                   calibration=CalibrationOptions(
                       texts=tuple(t.strip() for t in args.calibration_text.split(",") if t.strip()),

@@ -24,6 +24,11 @@ def plan_table(plan: Plan) -> str:
     lines.append(
         f"cache fraction: {plan.cache_fraction:.4f} (requested {o.cache_fraction:.4f}; "
         f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, rope={o.rope})")
+    if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):
+        lines.append(
+            "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
+            "every decode step, slower than the full cache at long context; "
+            "objective='speed' (--objective speed) caches keys after RoPE instead")
     return "\n".join(lines)
 
 

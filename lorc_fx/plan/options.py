@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 ROPE_MODES = ("commute", "reconstruct")
 SCHEDULE_NAMES = ("progressive", "uniform", "greedy", "calibrated")
 BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
+# what rope="auto" optimises: the held-out loss, or decode speed (keys cached after RoPE are
+# read by absorbed attention; keys cached before it are rebuilt over the whole context every
+# step, several times slower at long context: bench/results/long_context-cpu.md)
+OBJECTIVES = ("quality", "speed")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class PlanOptions:
     key_fraction: float | None = None  # calibrated schedule: keys' kept ratio (None: measured)
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
     allow_zero_rank: bool = False  # let a compressed side keep no latent dim at all
+    objective: str = "quality"  # what rope="auto" optimises (OBJECTIVES)
 
     def __post_init__(self):
         f = self.cache_fraction
@@ -67,6 +72,8 @@ class PlanOptions:
         if self.key_fraction is not None and not (_is_number(self.key_fraction)
                                                   and 0 <= self.key_fraction <= 1):
             raise ValueError(f"key_fraction must be a number in [0, 1], got {self.key_fraction!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; choose from {list(OBJECTIVES)}")
         if not isinstance(self.allow_zero_rank, bool):
             raise ValueError(f"allow_zero_rank must be True or False, got {self.allow_zero_rank!r}")
 

@@ -1,0 +1,32 @@
+"""``objective`` decides which RoPE modes ``rope="auto"`` may pick."""
+import pytest
+
+from lorc_fx.analysis import analyze
+from lorc_fx.api import compress, rope_modes
+from lorc_fx.report import plan_table
+from helpers.families import build, config_for
+
+
+def test_speed_plans_only_keys_decode_reads_without_rebuilding():
+    model = build(config_for("llama"))
+    blocks = analyze(model)
+    assert rope_modes("auto", model, blocks, "quality") == ["commute", "reconstruct"]
+    assert rope_modes("auto", model, blocks, "speed") == ["commute"]
+    report = compress(model, 0.75, schedule="uniform", basis="weight", objective="speed",
+                      blocks=blocks)
+    assert report.plan.options.rope == "commute" and report.plan.options.objective == "speed"
+    assert all(l.k_latent_of == "post_rope" for l in report.plan.layers)
+
+
+def test_a_reconstruct_plan_states_its_decode_cost():
+    model = build(config_for("llama"))
+    report = compress(model, 0.75, schedule="uniform", basis="weight", rope="reconstruct")
+    assert "rebuilt over the whole context every decode step" in plan_table(report.plan)
+    model = build(config_for("llama"))
+    report = compress(model, 0.75, schedule="uniform", basis="weight", rope="commute")
+    assert "rebuilt" not in plan_table(report.plan)
+
+
+def test_an_unknown_objective_is_refused():
+    with pytest.raises(ValueError, match="unknown objective 'fast'; choose from"):
+        compress(build(config_for("llama")), 0.75, objective="fast")
