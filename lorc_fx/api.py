@@ -80,7 +80,8 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     rope: str = "auto", basis: str = "auto",
                     skip_threshold: float | None = None, keep_first: int = 0,
                     rank_multiple: int = 8, key_fraction: float | None = None,
-                    calibration: CalibrationOptions | None = None) -> PlanOptions:
+                    calibration: CalibrationOptions | None = None, latent_bits: int = 16,
+                    latent_group: int = 32) -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
     mode :func:`rope_modes` tries."""
@@ -90,7 +91,8 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                        rope="commute" if rope == "auto" else rope, basis=basis,
                        skip_threshold=skip_threshold, keep_first=keep_first,
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
-                       calibration=calibration or CalibrationOptions())
+                       calibration=calibration or CalibrationOptions(),
+                       latent_bits=latent_bits, latent_group=latent_group)
 
 
 def _require_attention(model: nn.Module, blocks: list[AttentionBlock]) -> None:
@@ -111,8 +113,8 @@ class NoAttentionFound(ValueError):
 def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "calibrated",
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
-         calibration: CalibrationOptions | None = None,
-         blocks: list[AttentionBlock] | None = None) -> Plan:
+         calibration: CalibrationOptions | None = None, latent_bits: int = 16,
+         latent_group: int = 32, blocks: list[AttentionBlock] | None = None) -> Plan:
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V cache.
 
     ``blocks`` defaults to :func:`lorc_fx.analyze` of the model. ``basis="auto"`` picks the
@@ -130,7 +132,8 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     options = checked_options(cache_fraction, schedule=schedule, rope=rope, basis=basis,
                               skip_threshold=skip_threshold, keep_first=keep_first,
                               rank_multiple=rank_multiple, key_fraction=key_fraction,
-                              calibration=calibration)
+                              calibration=calibration, latent_bits=latent_bits,
+                              latent_group=latent_group)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)

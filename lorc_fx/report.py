@@ -61,13 +61,14 @@ class CompressionReport:
     dtype_bytes: int = 4
     left_alone: str = ""
 
-    def cache_bytes_per_token(self) -> tuple[int, int]:
+    def cache_bytes_per_token(self) -> tuple[int, int | float]:
         """(full, compressed) cache bytes per token per sequence, all planned layers; in
-        ``reconstruct`` mode the compressed figure includes the RoPE angle log."""
+        ``reconstruct`` mode the compressed figure includes the RoPE angle log, with quantized
+        latents (``latent_bits < 16``) their scales and zero points (``Plan.cache_bytes_per_token``:
+        a float then, exact for whole groups of ``latent_group`` tokens)."""
         if self.plan is None:
             return 0, 0
-        full, kept = self.plan.cache_elements_per_token()
-        return full * self.dtype_bytes, kept * self.dtype_bytes
+        return self.plan.cache_bytes_per_token(self.dtype_bytes)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to ``path`` (``lorc_fx.save_plan``); ``compress(model, plan=path)``

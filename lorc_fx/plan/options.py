@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 ROPE_MODES = ("commute", "reconstruct")
 SCHEDULE_NAMES = ("progressive", "uniform", "greedy", "calibrated")
 BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
+LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class PlanOptions:
     key_fraction: float | None = None  # calibrated schedule: keys' kept ratio (None: measured)
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
     allow_zero_rank: bool = False  # let a compressed side keep no latent dim at all
+    # latents stored as latent_bits-bit codes, per channel over groups of latent_group tokens
+    # (one scale and zero point per channel and group, in the model's dtype); 16: not quantized
+    latent_bits: int = 16
+    latent_group: int = 32
 
     def __post_init__(self):
         f = self.cache_fraction
@@ -69,6 +74,20 @@ class PlanOptions:
             raise ValueError(f"key_fraction must be a number in [0, 1], got {self.key_fraction!r}")
         if not isinstance(self.allow_zero_rank, bool):
             raise ValueError(f"allow_zero_rank must be True or False, got {self.allow_zero_rank!r}")
+        if not _is_int(self.latent_bits) or self.latent_bits not in LATENT_BITS:
+            raise ValueError(f"latent_bits must be one of {list(LATENT_BITS)}, got {self.latent_bits!r}")
+        if not _is_int(self.latent_group) or self.latent_group < 1 or \
+                (self.latent_group * self.latent_bits) % 8:
+            raise ValueError(f"latent_group must be a positive integer (even for latent_bits=4: "
+                             f"two codes per byte), got {self.latent_group!r}")
+
+    def latent_bytes_per_value(self, dtype_bytes: int) -> float:
+        """Bytes per cached latent value, everything counted, for a model whose dtype has
+        ``dtype_bytes`` bytes: the code, plus a scale and a zero point (model dtype) shared by
+        ``latent_group`` tokens of one channel; ``dtype_bytes`` unquantized."""
+        if self.latent_bits == 16:
+            return float(dtype_bytes)
+        return self.latent_bits / 8 + 2 * dtype_bytes / self.latent_group
 
 
 def _is_number(x) -> bool:
