@@ -24,6 +24,9 @@ def plan_table(plan: Plan) -> str:
     lines.append(
         f"cache fraction: {plan.cache_fraction:.4f} (requested {o.cache_fraction:.4f}; "
         f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, rope={o.rope})")
+    if o.latent_bits != 16:
+        lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
+                     f"{o.latent_group} tokens (the last partial group in full precision)")
     return "\n".join(lines)
 
 

@@ -98,6 +98,7 @@ def test_measured_bytes_are_the_plans(model, bits, group, rope):
                       latent_bits=bits, latent_group=group)
     dtype_bytes = report.dtype_bytes
     per_token = report.cache_bytes_per_token()[1]
+    assert f"{bits}-bit codes" in str(report)
     unquantized = report.plan.cache_elements_per_token()[1] * dtype_bytes
     assert per_token < unquantized
     for batch, length in ((2, 2 * group), (1, 3 * group), (2, 2 * group + 5), (2, group - 1)):
