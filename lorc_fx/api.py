@@ -85,7 +85,8 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     skip_threshold: float | None = None, keep_first: int = 0,
                     rank_multiple: int = 8, key_fraction: float | None = None,
                     calibration: CalibrationOptions | None = None,
-                    objective: str = "quality") -> PlanOptions:
+                    objective: str = "quality", latent_bits: int = 16,
+                    latent_group: int = 32) -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
     mode :func:`rope_modes` tries."""
@@ -95,7 +96,8 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                        rope="commute" if rope == "auto" else rope, basis=basis,
                        skip_threshold=skip_threshold, keep_first=keep_first,
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
-                       calibration=calibration or CalibrationOptions(), objective=objective)
+                       calibration=calibration or CalibrationOptions(), objective=objective,
+                       latent_bits=latent_bits, latent_group=latent_group)
 
 
 def _require_attention(model: nn.Module, blocks: list[AttentionBlock]) -> None:
@@ -117,6 +119,7 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
          calibration: CalibrationOptions | None = None, objective: str = "quality",
+         latent_bits: int = 16, latent_group: int = 32,
          blocks: list[AttentionBlock] | None = None) -> Plan:
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V cache.
 
@@ -138,7 +141,8 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     options = checked_options(cache_fraction, schedule=schedule, rope=rope, basis=basis,
                               skip_threshold=skip_threshold, keep_first=keep_first,
                               rank_multiple=rank_multiple, key_fraction=key_fraction,
-                              calibration=calibration, objective=objective)
+                              calibration=calibration, objective=objective,
+                              latent_bits=latent_bits, latent_group=latent_group)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)

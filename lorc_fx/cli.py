@@ -44,6 +44,11 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                    help="every kept rank is a multiple of this (or the full width)")
     p.add_argument("--key-fraction", type=float, default=None,
                    help="calibrated schedule: keys' kept ratio in [0, 1]; None: measured")
+    p.add_argument("--latent-bits", type=int, default=16,
+                   help="store latents as 8- or 4-bit codes (per channel over groups of "
+                        "--latent-group tokens; eager dynamic cache only); 16: not quantized")
+    p.add_argument("--latent-group", type=int, default=32,
+                   help="tokens per quantization group of a latent channel")
     p.add_argument("--calibration-text", default="news,austen",
                    help="comma-separated texts the data-aware bases calibrate on "
                         "(news, austen, or paths); only every 4th paragraph is read")
@@ -58,8 +63,10 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
     from lorc_fx.api import checked_options
     from lorc_fx.plan.calibration import CalibrationOptions
 
-    kwargs = dict(rope=args.rope, objective=args.objective, skip_threshold=args.skip_threshold, keep_first=args.keep_first,
-                  rank_multiple=args.rank_multiple, key_fraction=args.key_fraction,
+    kwargs = dict(rope=args.rope, objective=args.objective, latent_bits=args.latent_bits,
+                  latent_group=args.latent_group, skip_threshold=args.skip_threshold,
+                  keep_first=args.keep_first, rank_multiple=args.rank_multiple,
+                  key_fraction=args.key_fraction,
                   calibration=CalibrationOptions(
                       texts=tuple(t.strip() for t in args.calibration_text.split(",") if t.strip()),
                       tokens=args.calibration_tokens, seed=args.calibration_seed))

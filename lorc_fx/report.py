@@ -29,6 +29,9 @@ def plan_table(plan: Plan) -> str:
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
             "every decode step, slower than the full cache at long context; "
             "objective='speed' (--objective speed) caches keys after RoPE instead")
+    if o.latent_bits != 16:
+        lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
+                     f"{o.latent_group} tokens (the last partial group in full precision)")
     return "\n".join(lines)
 
 
@@ -66,13 +69,14 @@ class CompressionReport:
     dtype_bytes: int = 4
     left_alone: str = ""
 
-    def cache_bytes_per_token(self) -> tuple[int, int]:
+    def cache_bytes_per_token(self) -> tuple[int, int | float]:
         """(full, compressed) cache bytes per token per sequence, all planned layers; in
-        ``reconstruct`` mode the compressed figure includes the RoPE angle log."""
+        ``reconstruct`` mode the compressed figure includes the RoPE angle log, with quantized
+        latents (``latent_bits < 16``) their scales and zero points (``Plan.cache_bytes_per_token``:
+        a float then, exact for whole groups of ``latent_group`` tokens)."""
         if self.plan is None:
             return 0, 0
-        full, kept = self.plan.cache_elements_per_token()
-        return full * self.dtype_bytes, kept * self.dtype_bytes
+        return self.plan.cache_bytes_per_token(self.dtype_bytes)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to ``path`` (``lorc_fx.save_plan``); ``compress(model, plan=path)``

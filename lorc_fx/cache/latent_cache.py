@@ -10,13 +10,21 @@ from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, Dynamic
 
 from lorc_fx.plan.planner import Plan
 
-from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer
+from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer, QuantizedLatentDynamicLayer
+from .quantize import QuantSpec
 from .rotary import RotaryLog
 
 
 def codecs(plan: Plan) -> dict[int, LatentCodec]:
     """The codec of every layer the plan does not skip, by layer index."""
     return {l.layer: LatentCodec.of(l) for l in plan.layers if not l.skipped}
+
+
+def latent_spec(plan: Plan) -> QuantSpec | None:
+    """How the plan's latents are stored: per channel over groups of ``latent_group`` tokens
+    at ``latent_bits`` bits (scales in the model's dtype); ``None`` at 16 bits."""
+    bits = plan.options.latent_bits
+    return None if bits == 16 else QuantSpec.per_channel(bits, plan.options.latent_group)
 
 
 def layers_kept_as_built(config) -> dict[int, str]:
@@ -39,13 +47,23 @@ class LatentCache(Cache):
 
     @classmethod
     def from_cache(cls, cache: Cache, plan: Plan) -> "LatentCache":
-        """Swap each plain dynamic/static layer of a fresh ``cache`` that ``plan`` compresses."""
-        return cls.from_codecs(cache, codecs(plan))
+        """Swap each plain dynamic/static layer of a fresh ``cache`` that ``plan`` compresses
+        (latents quantized as ``plan.options.latent_bits`` / ``latent_group`` say)."""
+        return cls.from_codecs(cache, codecs(plan), latent_spec(plan))
 
     @classmethod
-    def from_codecs(cls, cache: Cache, bases: dict[int, LatentCodec]) -> "LatentCache":
-        """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers."""
+    def from_codecs(cls, cache: Cache, bases: dict[int, LatentCodec],
+                    quant: QuantSpec | None = None) -> "LatentCache":
+        """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers;
+        with a ``quant`` spec (per channel, fewer than 16 bits) the latents are stored
+        quantized (:class:`QuantizedLatentDynamicLayer`; dynamic caches only)."""
         static = [l for l in cache.layers if type(l) is StaticLayer]
+        quant = quant if quant is not None and quant.quantized else None
+        if quant is not None and any(i in bases for i, l in enumerate(cache.layers)
+                                     if type(l) is StaticLayer):
+            raise ValueError(f"latent_bits={quant.bits}: quantized latents are supported in a "
+                             "dynamic cache only; use the dynamic cache or latent_bits=16 for a "
+                             "static one")
         styles = {b.rope_style for b in bases.values() if b.rope_style}
         rotary = None
         if styles:
@@ -58,14 +76,20 @@ class LatentCache(Cache):
                     b = replace(b, rotary=rotary)
                     log_owner = i if log_owner is None else log_owner
                 owns = log_owner == i
-                layer = (LatentDynamicLayer(b, owns) if type(layer) is DynamicLayer
-                         else LatentStaticLayer(layer.max_cache_len, b, owns))
+                if type(layer) is StaticLayer:
+                    layer = LatentStaticLayer(layer.max_cache_len, b, owns)
+                elif quant is not None:
+                    layer = QuantizedLatentDynamicLayer(b, quant, owns)
+                else:
+                    layer = LatentDynamicLayer(b, owns)
             layers.append(layer)
         return cls(layers, rotary)
 
     def cache_bytes(self) -> int:
-        """Bytes held by the cache's tensors (keys, values, RoPE angles), measured."""
+        """Bytes held by the cache's tensors (keys, values, RoPE angles; quantized latents'
+        codes, scales, zero points and residual windows), measured."""
         tensors = [t for layer in self.layers
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
+                   for t in (layer.tensors() if isinstance(layer, QuantizedLatentDynamicLayer)
+                             else (getattr(layer, "keys", None), getattr(layer, "values", None)))]
         tensors += self.rotary.tensors() if self.rotary is not None else []
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

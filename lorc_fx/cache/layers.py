@@ -20,6 +20,7 @@ from transformers.utils import is_torchdynamo_compiling
 from lorc_fx.plan.planner import LayerPlan
 
 from .latent_ops import project, reconstruct
+from .quantize import QuantizedTensor, QuantSpec, quantize
 from .rotary import RotaryLog, rotate
 
 
@@ -173,3 +174,155 @@ class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
             self.bases.rotary.append(positions)
         keys, values = super().update(*self.bases.compress(key_states, value_states))
         return self.bases.expand(keys, values)
+
+
+def _cat_groups(q: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
+    """``q`` followed by ``new`` along the token axis (both whole groups of tokens)."""
+    if q is None:
+        return new
+    shape = (*new.shape[:-2], q.shape[-2] + new.shape[-2], new.shape[-1])
+    return QuantizedTensor(torch.cat([q.payload, new.payload], dim=-2),
+                           torch.cat([q.scale, new.scale], dim=-1),
+                           torch.cat([q.zero, new.zero], dim=-1), q.spec, shape, q.dtype)
+
+
+def _map_batch(q: QuantizedTensor | None, fn) -> QuantizedTensor | None:
+    """``q`` with ``fn`` (an operation on the batch axis 0) applied to its tensors."""
+    if q is None:
+        return None
+    payload = fn(q.payload)
+    return replace(q, payload=payload, scale=fn(q.scale), zero=fn(q.zero),
+                   shape=(payload.shape[0], *q.shape[1:]))
+
+
+def _first_groups(q: QuantizedTensor, groups: int) -> QuantizedTensor | None:
+    """The first ``groups`` groups of tokens of ``q`` (copies: the rest is freed)."""
+    if groups == 0:
+        return None
+    return replace(q, payload=q.payload[..., :groups, :].clone(),
+                   scale=q.scale[..., :groups].clone(), zero=q.zero[..., :groups].clone(),
+                   shape=(*q.shape[:-2], groups * q.spec.group, q.shape[-1]))
+
+
+class QuantizedLatentDynamicLayer(LatentDynamicLayer):
+    """A growing cache of latents stored as ``spec.bits``-bit integer codes (KIVI-style).
+
+    Each latent side (``(b, 1, n, r)``) is quantized per channel over groups of
+    ``spec.group`` tokens (``spec.axis == -2``): the latent's energy sits in its first
+    channels, so a scale per channel follows their very different ranges where a per-token
+    group would not. Codes are packed (two per byte at 4 bits) with one scale and zero point
+    per channel and group, in the model's dtype. The most recent tokens of a group not yet
+    full stay in full precision in ``keys`` / ``values`` (the residual window, fewer than
+    ``spec.group`` tokens); a group is quantized as it fills. ``k_quant`` / ``v_quant`` hold
+    the quantized groups (``None`` before the first). A side kept raw (no basis) or zero-wide
+    is never quantized: it lives whole in ``keys`` / ``values``.
+
+    ``update`` returns what attention reads, rebuilt from the dequantized latents.
+    ``crop`` keeps the whole groups before the cut as they are and moves the tokens of the
+    cut group back into the residual window, dequantized (no second rounding of kept
+    groups); beam reordering and batch repeat/select index the packed codes along batch.
+    The compiled path (``lorc_backend``) does not support it yet.
+    """
+
+    def __init__(self, bases: LatentCodec, spec: QuantSpec, logs_rotary: bool = False):
+        if not spec.quantized or spec.axis not in (-2, 2):
+            raise ValueError("a quantized latent layer takes a per-channel spec "
+                             "(QuantSpec.per_channel) of fewer than 16 bits")
+        super().__init__(bases, logs_rotary)
+        self.spec = spec
+        self.k_quant: QuantizedTensor | None = None
+        self.v_quant: QuantizedTensor | None = None
+
+    def _quantizes(self, basis: torch.Tensor | None) -> bool:
+        return basis is not None and basis.shape[0] > 0
+
+    def _settle(self, quant: QuantizedTensor | None, window: torch.Tensor, basis):
+        """Quantize the whole groups of the residual ``window``; the rest stays in it."""
+        whole = window.shape[-2] // self.spec.group * self.spec.group
+        if not self._quantizes(basis) or whole == 0:
+            return quant, window
+        quant = _cat_groups(quant, quantize(window[..., :whole, :], self.spec))
+        return quant, window[..., whole:, :].clone()
+
+    def get_seq_length(self) -> int:
+        """Tokens cached: the keys' quantized groups and residual window (a side kept raw
+        holds every token in its window)."""
+        if not self.is_initialized or self.keys is None or self.keys.dim() < 2:
+            return 0
+        return (self.k_quant.shape[-2] if self.k_quant is not None else 0) + self.keys.shape[-2]
+
+    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached latents (raw sides as stored), dequantized: what ``update`` rebuilds."""
+        def whole(quant, window):
+            return window if quant is None else torch.cat([quant.dequantize(), window], dim=-2)
+        return whole(self.k_quant, self.keys), whole(self.v_quant, self.values)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds: residual windows, packed codes, scales, zero points."""
+        out = [self.keys, self.values]
+        for q in (self.k_quant, self.v_quant):
+            if q is not None:
+                out += [q.payload, q.scale, q.zero]
+        return [t for t in out if isinstance(t, torch.Tensor)]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if is_torchdynamo_compiling():
+            raise ValueError("latent_bits < 16 (quantized latents) is supported on the eager "
+                             "path only; the compiled path (lorc_backend) needs latent_bits=16")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.logs_rotary:
+            self.bases.rotary.append(None)
+        k, v = self.bases.compress(key_states, value_states)
+        self.keys = torch.cat([self.keys, k], dim=-2) if self.keys.dim() == 4 else k
+        self.values = torch.cat([self.values, v], dim=-2) if self.values.dim() == 4 else v
+        self.k_quant, self.keys = self._settle(self.k_quant, self.keys, self.bases.k_basis)
+        self.v_quant, self.values = self._settle(self.v_quant, self.values, self.bases.v_basis)
+        return self.bases.expand(*self.latents())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not "
+                             "supported: pass a negative number of tokens to remove")
+        length = self.get_seq_length()
+        if tokens_to_remove == 0 or length == 0:
+            return
+        keep = max(length + tokens_to_remove, 0)
+        groups = keep // self.spec.group
+
+        def cut(quant, window):
+            if quant is None or keep >= quant.shape[-2]:
+                start = quant.shape[-2] if quant is not None else 0
+                return quant, window[..., :keep - start, :]
+            tail = quant.dequantize()[..., groups * self.spec.group:keep, :].clone()
+            return _first_groups(quant, groups), tail
+
+        self.k_quant, self.keys = cut(self.k_quant, self.keys)
+        self.v_quant, self.values = cut(self.v_quant, self.values)
+        if self._log() is not None:
+            self._log().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        fn = lambda t: t.index_select(0, beam_idx.to(t.device))
+        self.k_quant, self.v_quant = _map_batch(self.k_quant, fn), _map_batch(self.v_quant, fn)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        fn = lambda t: t.repeat_interleave(repeats, dim=0)
+        self.k_quant, self.v_quant = _map_batch(self.k_quant, fn), _map_batch(self.v_quant, fn)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        fn = lambda t: t[indices, ...]
+        self.k_quant, self.v_quant = _map_batch(self.k_quant, fn), _map_batch(self.v_quant, fn)
+
+    def reset(self) -> None:
+        super().reset()
+        self.k_quant = self.v_quant = None
+
+    def offload(self):
+        raise NotImplementedError("offloading a quantized latent layer is not supported")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading a quantized latent layer is not supported")

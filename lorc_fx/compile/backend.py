@@ -28,6 +28,10 @@ class LorcBackend:
     def __init__(self, inductor: bool = True, **plan_options):
         self.inductor = inductor
         self.plan_options = PlanOptions(**plan_options)
+        if self.plan_options.latent_bits != 16:
+            raise ValueError(f"latent_bits={self.plan_options.latent_bits}: lorc_backend (the "
+                             "compiled path) does not quantize latents yet; use latent_bits=16 "
+                             "or the eager path")
         self.passes = LorcPassManager(self.plan_options)
         self.reports: list[PassReport] = []
         self._said: set[str] = set()  # every message is logged once per backend

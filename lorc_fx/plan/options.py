@@ -15,6 +15,7 @@ BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
 # read by absorbed attention; keys cached before it are rebuilt over the whole context every
 # step, several times slower at long context: bench/results/long_context-cpu.md)
 OBJECTIVES = ("quality", "speed")
+LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class PlanOptions:
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
     allow_zero_rank: bool = False  # let a compressed side keep no latent dim at all
     objective: str = "quality"  # what rope="auto" optimises (OBJECTIVES)
+    # latents stored as latent_bits-bit codes, per channel over groups of latent_group tokens
+    # (one scale and zero point per channel and group, in the model's dtype); 16: not quantized
+    latent_bits: int = 16
+    latent_group: int = 32
 
     def __post_init__(self):
         f = self.cache_fraction
@@ -76,6 +81,20 @@ class PlanOptions:
             raise ValueError(f"unknown objective {self.objective!r}; choose from {list(OBJECTIVES)}")
         if not isinstance(self.allow_zero_rank, bool):
             raise ValueError(f"allow_zero_rank must be True or False, got {self.allow_zero_rank!r}")
+        if not _is_int(self.latent_bits) or self.latent_bits not in LATENT_BITS:
+            raise ValueError(f"latent_bits must be one of {list(LATENT_BITS)}, got {self.latent_bits!r}")
+        if not _is_int(self.latent_group) or self.latent_group < 1 or \
+                (self.latent_group * self.latent_bits) % 8:
+            raise ValueError(f"latent_group must be a positive integer (even for latent_bits=4: "
+                             f"two codes per byte), got {self.latent_group!r}")
+
+    def latent_bytes_per_value(self, dtype_bytes: int) -> float:
+        """Bytes per cached latent value, everything counted, for a model whose dtype has
+        ``dtype_bytes`` bytes: the code, plus a scale and a zero point (model dtype) shared by
+        ``latent_group`` tokens of one channel; ``dtype_bytes`` unquantized."""
+        if self.latent_bits == 16:
+            return float(dtype_bytes)
+        return self.latent_bits / 8 + 2 * dtype_bytes / self.latent_group
 
 
 def _is_number(x) -> bool:

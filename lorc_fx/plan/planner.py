@@ -135,6 +135,29 @@ class Plan:
         full = sum(l.k_full + l.v_full for l in self.layers)
         return full, sum(l.k_rank + l.v_rank for l in self.layers) + self.rotary_log
 
+    def quantized_elements_per_token(self) -> int:
+        """Elements per token the cache stores as ``options.latent_bits``-bit codes: the
+        latents of every compressed side (raw sides, skipped layers and the RoPE angle log stay
+        in the model's dtype). 0 when latents are not quantized."""
+        if self.options.latent_bits == 16:
+            return 0
+        return sum((l.k_rank if l.k_compressible else 0) + (l.v_rank if l.v_compressible else 0)
+                   for l in self.layers if not l.skipped)
+
+    def cache_bytes_per_token(self, dtype_bytes: int) -> tuple[int, float]:
+        """(full, compressed) cache bytes per token per sequence for a model whose dtype has
+        ``dtype_bytes`` bytes, everything counted: quantized latents with their scales and
+        zero points (``PlanOptions.latent_bytes_per_value``). Exact for a sequence that is a
+        whole number of ``latent_group`` tokens; otherwise the last, partial group is held in
+        full precision (the residual window). The compressed figure is an int when latents
+        are not quantized."""
+        full, kept = self.cache_elements_per_token()
+        quantized = self.quantized_elements_per_token()
+        if not quantized:
+            return full * dtype_bytes, kept * dtype_bytes
+        per_value = self.options.latent_bytes_per_value(dtype_bytes)
+        return full * dtype_bytes, (kept - quantized) * dtype_bytes + quantized * per_value
+
     @property
     def latent_budget(self) -> float:
         """The share of the full K/V width the requested fraction leaves to latents."""
