@@ -62,6 +62,7 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
     options = replace(options, basis=basis)
     inputs = layer_inputs(named_params(model), blocks)
     kept = layers_kept_as_built(getattr(model, "config", None))
+    block_of = {b.layer: b for b in blocks}
     for layer in inputs:
         if layer.layer in kept:
             layer.compress_k = layer.compress_v = False
@@ -71,6 +72,10 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
         if metric is not None:
             layer.input_gram = metric.input_gram
             layer.k_spectrum, layer.v_spectrum = metric.k_spectrum, metric.v_spectrum
+            if metric.k_of_cached_keys and not layer.compress_k and layer.layer not in kept \
+                    and block_of[layer.layer].k_path == "norm":
+                layer.compress_k, layer.keys_after_rope = True, True
+                layer.note = "keys behind a norm: basis of the keys the cache receives"
     if basis not in CALIBRATED_BASES:
         return plan_layers(inputs, options), None
     if options.schedule == "calibrated" and options.key_fraction is None:

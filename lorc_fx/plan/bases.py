@@ -36,6 +36,9 @@ class LayerMetric:
     input_gram: torch.Tensor | None = None
     k_spectrum: Spectrum | None = None
     v_spectrum: Spectrum | None = None
+    # the key spectrum is of the keys attention reads (after any norm and RoPE): the keys
+    # the cache receives, so it holds where the K projection is not linear up to the cache
+    k_of_cached_keys: bool = False
 
 
 BasisProvider = Callable[[nn.Module, list[AttentionBlock], "PlanOptions"], dict[int, LayerMetric]]
@@ -81,7 +84,12 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
                 "AttentionInterface, so the 'attention' basis cannot measure it; use "
                 "basis='whitened'")
         shape = (block.num_kv_heads, block.head_dim, block.rope_k)
-        if block.rope_k.style != "none" and options.rope == "reconstruct":
+        # keys behind a norm: only the keys attention reads are known, so their latent is
+        # taken after RoPE even in a reconstruct plan (docs/design.md, "Keys: three cases")
+        behind_norm = block.k_path == "norm"
+        pre_rope = (block.rope_k.style != "none" and options.rope == "reconstruct"
+                    and not behind_norm)
+        if pre_rope:
             w_k = block.k.weight_tensor(params).detach()
             keys = attention_pre_rope_key_spectrum(s.attention, w_k, s.input_gram, *shape)
         else:
@@ -90,7 +98,8 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
         out[block.layer] = LayerMetric(
             input_gram=s.input_gram, k_spectrum=keys,
             v_spectrum=attention_value_spectrum(s.attention, block.head_dim,
-                                                w_v @ s.input_gram @ w_v.T))
+                                                w_v @ s.input_gram @ w_v.T),
+            k_of_cached_keys=not pre_rope)
     return out
 
 

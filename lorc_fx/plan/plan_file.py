@@ -228,8 +228,9 @@ def check_fits(plan: Plan, model: nn.Module, blocks: list[AttentionBlock],
         b = supported[l.layer]
         found = dict(num_heads=b.num_heads, num_kv_heads=b.num_kv_heads, head_dim=b.head_dim,
                      rope=b.rope_k, k_full=b.k.width, v_full=b.v.width,
-                     k_compressible=b.k_path in ("none", "rope"),
                      v_compressible=b.v_path == "none")
+        if b.k_path not in ("none", "rope", "norm"):  # a data-aware basis covers normed keys
+            found["k_compressible"] = False
         differ = {k: (getattr(l, k), v) for k, v in found.items() if getattr(l, k) != v}
         if differ:
             detail = ", ".join(f"{k} {p} in the plan, {m} in the model"

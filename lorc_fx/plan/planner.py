@@ -34,6 +34,7 @@ class LayerInput:
     compress_k: bool = True
     compress_v: bool = True
     note: str = ""  # why something stays full
+    keys_after_rope: bool = False  # the key latent is of post-RoPE keys even in a reconstruct plan
     input_gram: torch.Tensor | None = None  # E[x xᵀ] of the K/V projection input
     # precomputed spectra (data-aware bases); energies in one error unit across projections
     k_spectrum: Spectrum | None = None
@@ -207,12 +208,19 @@ def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[flo
     return out[::-1]
 
 
+def _key_latent_of(layer: LayerInput, options: PlanOptions) -> str:
+    """``pre_rope`` where a reconstruct plan caches this layer's keys before RoPE; keys
+    stored raw, and keys whose basis is of post-RoPE keys, are ``post_rope``."""
+    pre = (options.rope == "reconstruct" and layer.rope.style != "none" and layer.compress_k
+           and not layer.keys_after_rope)
+    return "pre_rope" if pre else "post_rope"
+
+
 def _rotary_log(layers: list[LayerInput], compress_k: list[bool], options: PlanOptions) -> int:
     """Elements per token of the RoPE angles a cache keeps once for all its pre-RoPE latents
     (``cos`` and ``sin`` per rotary pair)."""
-    if options.rope != "reconstruct":
-        return 0
-    dims = [l.rope.rotary_dim for l, c in zip(layers, compress_k) if c and l.rope.style != "none"]
+    dims = [l.rope.rotary_dim for l, c in zip(layers, compress_k)
+            if c and _key_latent_of(l, options) == "pre_rope"]
     return max(dims, default=0)
 
 
@@ -262,8 +270,7 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
             layer=l.layer, k_full=ks.width, v_full=vs.width, k_rank=kr, v_rank=vr, skipped=s,
             kappa_k=kk, kappa_v=kv, log_kappa_cum=lk, num_heads=l.num_heads,
             num_kv_heads=l.num_kv_heads, head_dim=l.head_dim, rope=l.rope,
-            k_latent_of=("pre_rope" if rotated and l.compress_k and options.rope == "reconstruct"
-                         else "post_rope"),  # keys stored raw are the attention's own
+            k_latent_of=_key_latent_of(l, options),
             k_basis=ks.basis(kr), v_basis=vs.basis(vr),
             k_rebuild=ks.rebuild(kr), v_rebuild=vs.rebuild(vr),
             k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),

@@ -19,15 +19,23 @@ def write_text(path, paragraphs=240, words=30, seed=0):
     return str(path)
 
 
-def save_tiny_llama(directory, seed=0):
+def save_tokenizer(directory) -> dict[str, int]:
+    """A word-level tokenizer of ``WORDS`` (ids 3…) saved in ``directory``; its vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                             eos_token="</s>", pad_token="</s>").save_pretrained(directory)
+    return vocab
+
+
+def save_tiny_llama(directory, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = save_tokenizer(directory)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=HIDDEN, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=HEADS,
