@@ -210,6 +210,12 @@ def cmd_fetch_austen(args: argparse.Namespace) -> None:
     print(f"Austen novels ready in {fetch_austen()}")
 
 
+def cmd_fetch_poems(args: argparse.Namespace) -> None:
+    from lorc_fx.data.texts import fetch_poems
+
+    print(f"verse (Debian fortunes' songs-poems) ready in {fetch_poems()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorc", description=__doc__,
                                      formatter_class=_SHOW_DEFAULTS)
@@ -238,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p)
-    p.add_argument("--text", default="news", help="news | austen | a UTF-8 text file")
+    p.add_argument("--text", default="news",
+                   help="news | austen | pydoc | code | poems | a UTF-8 text file")
     p.add_argument("--tokens", type=int, default=8192, help="tokens evaluated, in windows")
     p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     p.add_argument("--prompts", type=int, default=4,
@@ -279,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-austen", help="download Debian's r-cran-janeaustenr into the cache",
                        formatter_class=_SHOW_DEFAULTS)
     p.set_defaults(run=cmd_fetch_austen)
+    p = sub.add_parser("fetch-poems", help="download Debian's fortunes (verse) into the cache")
+    p.set_defaults(run=cmd_fetch_poems)
     return parser
 
 
