@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lorc_fx.analysis.records import AttentionBlock, Projection, RopeLayout
+from lorc_fx.plan.options import SELF_TEXT
 from lorc_fx.plan.planner import Plan
 
 
@@ -21,7 +22,22 @@ def plan_table(plan: Plan) -> str:
     lines.append(
         f"cache fraction: {plan.cache_fraction:.4f} (requested {o.cache_fraction:.4f}; "
         f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, rope={o.rope})")
+    lines.append(f"basis: {basis_description(plan)}")
     return "\n".join(lines)
+
+
+def basis_description(plan: Plan) -> str:
+    """What the plan's basis was measured on, in words; the weight-only basis says why."""
+    o = plan.options
+    if plan.basis_note or o.basis == "weight":
+        return plan.basis_note or "weight-only SVD (the paper's calibration-free basis)"
+    if o.basis == "norm":
+        return "norm-scaled weight SVD (no calibration)"
+    c = o.calibration
+    texts = " + ".join("text sampled from the model itself" if t == SELF_TEXT else repr(t)
+                       for t in c.texts)
+    return (f"{o.basis}, calibrated on {c.tokens} tokens ({texts}; windows of {c.window}, "
+            f"seed {c.seed})")
 
 
 def plot_plan(plan: Plan, path: str) -> None:

@@ -119,6 +119,8 @@ class Plan:
     reachable: tuple[float, float]
 
     rotary_log: int = 0  # elements per token of the RoPE angles a reconstruct-mode cache keeps
+    # why the basis is the weight-only one, where it is (``bases.resolve``); the report shows it
+    basis_note: str = ""
 
     @property
     def cache_fraction(self) -> float:
@@ -143,6 +145,7 @@ class Plan:
             "requested_fraction": self.options.cache_fraction,
             "reachable": list(self.reachable),
             "options": asdict(self.options),
+            "basis_note": self.basis_note,
             "layers": [l.summary() for l in self.layers],
         }
 

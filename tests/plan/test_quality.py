@@ -63,13 +63,16 @@ def test_whitened_basis_reduces_the_data_weighted_error(loaded):
     assert whitened < 0.8 * weight
 
 
-def test_auto_basis_uses_attention_when_it_can_calibrate_else_weight(loaded, monkeypatch):
+def test_auto_basis_uses_attention_when_it_can_calibrate(loaded, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model, tok, blocks, text = loaded
     assert plan(model, 0.75, calibration=calib(text), blocks=blocks).options.basis == "attention"
     bare = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "_name_or_path": ""})).eval()
-    assert plan(bare, 0.75, calibration=calib(text), blocks=blocks).options.basis == "weight"
+    # no tokenizer: calibrated on the model's own samples, never the weight-only basis
+    planned = plan(bare, 0.75, calibration=calib(text), blocks=blocks)
+    assert planned.options.basis == "attention" and not planned.basis_note
+    assert planned.options.calibration.texts == ("self",)
 
 
 def test_calibration_is_cached_on_disk(loaded, monkeypatch):
