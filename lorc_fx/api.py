@@ -20,11 +20,13 @@ from lorc_fx.analysis.records import AttentionBlock, attention_module, named_par
 from lorc_fx.cache import install, layers_kept_as_built
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.bases import resolve
+from lorc_fx.plan.calibration import (CalibrationUnavailable, cache_path, calibration_tokenizer,
+                                      sample_self_text, self_text_request, usable_calibration)
 from lorc_fx.plan.options import ROPE_MODES, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.report import CompressionReport
-from lorc_fx.search.split import held_out_loss, measured_split
+from lorc_fx.search.split import held_out_calibration, held_out_loss, measured_split
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +56,27 @@ def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock],
     return [rope]
 
 
+def _sample_ahead(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                  held_out: bool) -> None:
+    """Before a first calibration on text sampled from the model, sample the calibration
+    sequences and (``held_out``) those of the split search in one pass: side by side they
+    cost little more than the calibration's alone."""
+    if cache_path(model, blocks, options.calibration).is_file():
+        return  # calibrated before: whatever is still needed is sampled where it is read
+    wanted = [options.calibration] + ([held_out_calibration(options)] if held_out else [])
+    requests = [r for r in map(self_text_request, wanted) if r is not None]
+    if requests:
+        try:
+            sample_self_text(model, calibration_tokenizer(model, options.calibration), requests)
+        except CalibrationUnavailable:
+            pass  # resolve() falls back and says why
+
+
 def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
                measure: bool) -> tuple[Plan, float | None]:
     """A plan for one RoPE mode and, where calibration allows and ``measure`` asks (or the
     split search measures anyway), its held-out calibration loss."""
-    basis, metrics = resolve(options.basis, model, blocks, options)
+    basis, metrics, note = resolve(options.basis, model, blocks, options)
     options = replace(options, basis=basis)
     inputs = layer_inputs(named_params(model), blocks)
     kept = layers_kept_as_built(getattr(model, "config", None))
@@ -76,13 +94,15 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
                     and block_of[layer.layer].k_path == "norm":
                 layer.compress_k, layer.keys_after_rope = True, True
                 layer.note = "keys behind a norm: basis of the keys the cache receives"
-    if basis not in CALIBRATED_BASES:
-        return plan_layers(inputs, options), None
-    if options.schedule == "calibrated" and options.key_fraction is None:
+    loss = None
+    if basis in CALIBRATED_BASES and options.schedule == "calibrated" and options.key_fraction is None:
         key_fraction, loss = measured_split(model, blocks, inputs, options)
-        return plan_layers(inputs, replace(options, key_fraction=key_fraction)), loss
+        options = replace(options, key_fraction=key_fraction)
     result = plan_layers(inputs, options)
-    return result, held_out_loss(model, blocks, result) if measure else None
+    result.basis_note = note
+    if basis in CALIBRATED_BASES and loss is None and measure:
+        loss = held_out_loss(model, blocks, result)
+    return result, loss
 
 
 def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated",
@@ -130,9 +150,11 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
 
     ``blocks`` defaults to :func:`lorc_fx.analyze` of the model. ``basis="auto"`` picks the
     best basis calibration allows (``lorc_fx.plan.bases.resolve``); ``calibration`` says which
-    text the data-aware bases measure (default: :class:`CalibrationOptions`); measurements
-    are cached on disk. With the ``calibrated`` schedule, a data-aware basis and no
-    ``key_fraction``, the key/value split is measured too (``lorc_fx.search.split``).
+    text the data-aware bases measure (default: :class:`CalibrationOptions`, text sampled
+    from the model itself; a named text this machine lacks becomes that too, with a
+    warning); measurements are cached on disk. With the ``calibrated`` schedule, a
+    data-aware basis and no ``key_fraction``, the key/value split is measured too
+    (``lorc_fx.search.split``).
     ``rope="auto"`` plans both RoPE modes (:func:`rope_modes`) and keeps the one with the
     lower held-out calibration loss; without calibration, ``commute``. Caching keys before
     RoPE lets a data-aware key basis ignore the rotation (bench/quality.md: much better on
@@ -152,6 +174,10 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
         blocks = analyze(model)
     _require_attention(model, blocks)
     modes = rope_modes(rope, model, blocks, objective)
+    if basis == "auto" or basis in CALIBRATED_BASES:
+        options = replace(options, calibration=usable_calibration(model, options.calibration))
+        _sample_ahead(model, blocks, options, held_out=len(modes) > 1 or (
+            schedule == "calibrated" and key_fraction is None))
     planned, refused = [], []
     for mode in modes:
         try:

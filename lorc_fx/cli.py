@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from lorc_fx.plan.options import CalibrationOptions
 
 _SHOW_DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
 
@@ -27,8 +28,9 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                             "measured on calibration text) | greedy | progressive (the "
                             "paper) | uniform")
         p.add_argument("--basis", default="auto",
-                       help="auto (attention where calibration is possible, else weight) | "
-                            "attention | whitened | norm | weight (the paper's weight SVD)")
+                       help="auto (attention-aware, calibrated; weight only where the model "
+                            "has no BOS/EOS token to sample from) | attention | whitened | "
+                            "norm | weight (the paper)")
     p.add_argument("--rope", default="auto",
                    help="auto (both modes where the model hands attention its RoPE angles, "
                         "the better on calibration text) | reconstruct (cache keys before "
@@ -49,27 +51,29 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                         "--latent-group tokens; eager dynamic cache only); 16: not quantized")
     p.add_argument("--latent-group", type=int, default=32,
                    help="tokens per quantization group of a latent channel")
-    p.add_argument("--calibration-text", default="news,austen",
-                   help="comma-separated texts the data-aware bases calibrate on "
-                        "(news, austen, or paths); only every 4th paragraph is read")
-    p.add_argument("--calibration-tokens", type=int, default=16384,
-                   help="calibration tokens, in windows of 512")
-    p.add_argument("--calibration-seed", type=int, default=0,
-                   help="seed of the calibration windows drawn")
+    default = CalibrationOptions()
+    p.add_argument("--calibration-text", default=",".join(default.texts),
+                   help="comma-separated texts the data-aware bases calibrate on: self (text "
+                        "sampled from the model itself, cached), news, austen, pydoc, code, "
+                        "poems, or paths, of which only every 4th paragraph is read; a "
+                        "missing text becomes self")
+    p.add_argument("--calibration-tokens", type=int, default=default.tokens,
+                   help=f"calibration tokens, in windows of {default.window}")
+    p.add_argument("--calibration-seed", type=int, default=default.seed,
+                   help="seed of the calibration windows drawn (or sampled)")
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
     """The plan options the arguments ask for, checked (``ValueError`` naming the option)."""
     from lorc_fx.api import checked_options
-    from lorc_fx.plan.calibration import CalibrationOptions
 
+    texts = tuple(t.strip() for t in args.calibration_text.split(",") if t.strip())
     kwargs = dict(rope=args.rope, objective=args.objective, latent_bits=args.latent_bits,
                   latent_group=args.latent_group, skip_threshold=args.skip_threshold,
                   keep_first=args.keep_first, rank_multiple=args.rank_multiple,
                   key_fraction=args.key_fraction,
-                  calibration=CalibrationOptions(
-                      texts=tuple(t.strip() for t in args.calibration_text.split(",") if t.strip()),
-                      tokens=args.calibration_tokens, seed=args.calibration_seed))
+                  calibration=CalibrationOptions(texts=texts, tokens=args.calibration_tokens,
+                                                 seed=args.calibration_seed))
     if hasattr(args, "cache_fraction"):
         kwargs["cache_fraction"] = args.cache_fraction
     if hasattr(args, "schedule"):
@@ -227,6 +231,12 @@ def cmd_fetch_austen(args: argparse.Namespace) -> None:
     print(f"Austen novels ready in {fetch_austen()}")
 
 
+def cmd_fetch_poems(args: argparse.Namespace) -> None:
+    from lorc_fx.data.texts import fetch_poems
+
+    print(f"verse (Debian fortunes' songs-poems) ready in {fetch_poems()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorc", description=__doc__,
                                      formatter_class=_SHOW_DEFAULTS)
@@ -258,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p)
-    p.add_argument("--text", default="news", help="news | austen | a UTF-8 text file")
+    p.add_argument("--text", default="news",
+                   help="news | austen | pydoc | code | poems | a UTF-8 text file")
     p.add_argument("--tokens", type=int, default=8192, help="tokens evaluated, in windows")
     p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     p.add_argument("--prompts", type=int, default=4,
@@ -301,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("fetch-austen", help="download Debian's r-cran-janeaustenr into the cache",
                        formatter_class=_SHOW_DEFAULTS)
     p.set_defaults(run=cmd_fetch_austen)
+    p = sub.add_parser("fetch-poems", help="download Debian's fortunes (verse) into the cache",
+                       formatter_class=_SHOW_DEFAULTS)
+    p.set_defaults(run=cmd_fetch_poems)
     return parser
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lorc_fx.analysis.records import AttentionBlock, Projection, RopeLayout
 from lorc_fx.plan import plan_file
+from lorc_fx.plan.options import SELF_TEXT
 from lorc_fx.plan.planner import Plan
 
 
@@ -24,6 +25,7 @@ def plan_table(plan: Plan) -> str:
     lines.append(
         f"cache fraction: {plan.cache_fraction:.4f} (requested {o.cache_fraction:.4f}; "
         f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, rope={o.rope})")
+    lines.append(f"basis: {basis_description(plan)}")
     if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):
         lines.append(
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
@@ -33,6 +35,20 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
                      f"{o.latent_group} tokens (the last partial group in full precision)")
     return "\n".join(lines)
+
+
+def basis_description(plan: Plan) -> str:
+    """What the plan's basis was measured on, in words; the weight-only basis says why."""
+    o = plan.options
+    if plan.basis_note or o.basis == "weight":
+        return plan.basis_note or "weight-only SVD (the paper's calibration-free basis)"
+    if o.basis == "norm":
+        return "norm-scaled weight SVD (no calibration)"
+    c = o.calibration
+    texts = " + ".join("text sampled from the model itself" if t == SELF_TEXT else repr(t)
+                       for t in c.texts)
+    return (f"{o.basis}, calibrated on {c.tokens} tokens ({texts}; windows of {c.window}, "
+            f"seed {c.seed})")
 
 
 def plot_plan(plan: Plan, path: str) -> None:

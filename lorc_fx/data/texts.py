@@ -1,9 +1,17 @@
-"""Real English text for evaluation, found on this machine without network.
+"""Real text for calibration and evaluation, found on this machine without network.
 
 - ``"news"``: 300 ABC news articles (``lee_background.cor``, ~75k tokens) in the gensim wheel;
 - ``"austen"``: Jane Austen's six novels (~1M tokens) from Debian's ``r-cran-janeaustenr``,
   read from its R lazy-load database;
+- ``"pydoc"``: technical documentation, the Python reference topics that ship with CPython
+  (``pydoc_data/topics.py``, what ``help("assert")`` prints), one topic after another;
+- ``"code"``: Python source, the top-level modules of the running interpreter's stdlib;
+- ``"poems"``: verse, the ``songs-poems`` file of Debian's ``fortunes`` (~60k tokens), fetched
+  like Austen (:func:`fetch_poems`);
 - any UTF-8 text file.
+
+The last three are genres the default calibration never saw, to check that a plan holds up
+beyond the text it was measured on.
 """
 from __future__ import annotations
 
@@ -38,16 +46,14 @@ class TextNotFoundError(FileNotFoundError):
 
 
 class FetchError(RuntimeError):
-    """Downloading or unpacking the janeaustenr package failed."""
+    """Downloading or unpacking a Debian package of text failed."""
 
 
 def load_text(name: str) -> str:
-    """``"news"``, ``"austen"`` or the path of a UTF-8 text file. Paragraphs (and articles,
-    novels) are separated by blank lines."""
-    if name == "news":
-        return news_text()
-    if name == "austen":
-        return "\n\n".join(austen_novels().values())
+    """A known text (:data:`TEXT_NAMES`) or the path of a UTF-8 text file. Paragraphs (and
+    articles, novels, topics, modules, poems) are separated by blank lines."""
+    if name in _TEXTS:
+        return _TEXTS[name]()
     path = Path(name).expanduser()
     if path.is_file():
         try:
@@ -55,8 +61,8 @@ def load_text(name: str) -> str:
         except UnicodeDecodeError as err:
             raise ValueError(f"text file {str(path)!r} is not UTF-8 text ({err.reason} at byte "
                              f"{err.start}); give a plain text file") from None
-    raise TextNotFoundError(f"{name!r} is neither a known text (\"news\", \"austen\") nor a "
-                            f"text file")
+    raise TextNotFoundError(f"{name!r} is neither a known text "
+                            f"({', '.join(map(repr, TEXT_NAMES))}) nor a text file")
 
 
 def news_text() -> str:
@@ -150,12 +156,12 @@ def fetch_austen() -> Path:
     return data
 
 
-def _run(cmd: list[str], cwd: str) -> None:
+def _run(cmd: list[str], cwd: str, package: str = AUSTEN_PACKAGE) -> None:
     try:
         subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True,
                        env={**os.environ, "LC_ALL": "C"})
     except FileNotFoundError as e:
-        raise FetchError(f"`{cmd[0]}` not found: fetching {AUSTEN_PACKAGE} needs a Debian or "
+        raise FetchError(f"`{cmd[0]}` not found: fetching {package} needs a Debian or "
                          f"Ubuntu system with apt-get and dpkg-deb") from e
     except subprocess.CalledProcessError as e:
         hint = (" (if apt cannot locate the package, run `sudo apt-get update` first)"
@@ -188,3 +194,105 @@ def split_paragraphs(text: str) -> list[str]:
     if current:
         chunks.append(joiner.join(current))
     return chunks
+
+
+# --- texts of other genres: documentation, code, verse ------------------------------------
+
+POEMS_PACKAGE = "fortunes"
+POEMS_FILE = Path("usr") / "share" / "games" / "fortunes" / "songs-poems"
+POEMS_ROOTS = (Path("/"),)  # where apt installs it; fetch_poems unpacks into the cache
+STDLIB_CODE_CHARS = 600_000  # ~150k tokens of the stdlib's top-level modules
+
+
+def _blocks(text: str) -> list[str]:
+    """Blocks separated by blank lines, trailing spaces stripped, line breaks kept."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    return [b.strip("\n") for b in "\n".join(lines).split("\n\n") if b.strip()]
+
+
+def pydoc_text() -> str:
+    """The reference topics of ``pydoc_data`` (shipped with CPython), sorted by name; blank
+    lines separate paragraphs and the indented grammar and code blocks between them."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as err:  # some distributions package pydoc_data separately
+        raise TextNotFoundError("this Python has no pydoc_data (the reference topics)") from err
+    return "\n\n".join(b for name in sorted(topics) for b in _blocks(topics[name]))
+
+
+def code_text() -> str:
+    """Top-level public ``.py`` modules of the stdlib, sorted by name, until
+    ``STDLIB_CODE_CHARS``; blank lines inside a module are dropped, so each paragraph is one
+    whole module."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        if path.name.startswith("_") or size >= STDLIB_CODE_CHARS:
+            continue
+        try:
+            src = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        module = "\n".join(line.rstrip() for line in src.splitlines() if line.strip())
+        out.append(module)
+        size += len(module)
+    if not out:
+        raise TextNotFoundError(f"no stdlib sources under {root}")
+    return "\n\n".join(out)
+
+
+def poems_text() -> str:
+    """Debian ``fortunes``' ``songs-poems``: one paragraph per poem (the entries between
+    ``%`` lines), its line breaks kept and its stanza breaks made single line breaks."""
+    raw = poems_path().read_text(encoding="utf-8", errors="replace")
+    poems = []
+    for entry in re.split(r"^%\s*$", raw, flags=re.M):
+        lines = [line.strip() for line in entry.splitlines() if line.strip()]
+        if lines:
+            poems.append("\n".join(lines))
+    return "\n\n".join(poems)
+
+
+def poems_path() -> Path:
+    """``songs-poems``: installed by apt, or unpacked by :func:`fetch_poems`."""
+    for root in (*POEMS_ROOTS, user_cache_dir() / POEMS_PACKAGE):
+        if (root / POEMS_FILE).is_file():
+            return root / POEMS_FILE
+    raise TextNotFoundError(
+        f"the verse text (Debian package {POEMS_PACKAGE}, {POEMS_FILE.name}) is not on this "
+        f"machine; get it with `lorc fetch-poems` or `sudo apt-get install {POEMS_PACKAGE}`")
+
+
+def fetch_poems() -> Path:
+    """Download the ``fortunes`` .deb with apt-get and unpack it into the lorc cache (no root
+    needed); returns the path of ``songs-poems``. Unpacked in a temporary directory and
+    renamed, like :func:`fetch_austen`."""
+    target = user_cache_dir() / POEMS_PACKAGE
+    if (target / POEMS_FILE).is_file():
+        return target / POEMS_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{POEMS_PACKAGE}-", dir=target.parent) as tmp:
+        _run(["apt-get", "download", POEMS_PACKAGE], cwd=tmp, package=POEMS_PACKAGE)
+        debs = sorted(Path(tmp).glob(f"{POEMS_PACKAGE}_*.deb"))
+        if not debs:
+            raise FetchError(f"apt-get download left no {POEMS_PACKAGE}_*.deb in {tmp}")
+        unpacked = Path(tmp) / "root"
+        _run(["dpkg-deb", "-x", str(debs[-1]), str(unpacked)], cwd=tmp, package=POEMS_PACKAGE)
+        if target.exists():
+            shutil.rmtree(target)
+        unpacked.rename(target)
+    if not (target / POEMS_FILE).is_file():
+        raise FetchError(f"{POEMS_PACKAGE} unpacked into {target} but holds no {POEMS_FILE}")
+    return target / POEMS_FILE
+
+
+_TEXTS = {
+    "news": news_text,
+    "austen": lambda: "\n\n".join(austen_novels().values()),
+    "pydoc": pydoc_text,
+    "code": code_text,
+    "poems": poems_text,
+}
+TEXT_NAMES = tuple(_TEXTS)

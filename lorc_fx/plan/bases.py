@@ -5,8 +5,10 @@ A provider returns, per layer index, a :class:`LayerMetric`: an input metric ``G
 ``W·S`` with ``S Sᵀ = G``), or precomputed spectra. No entry: the identity, i.e. the paper's
 weight-only SVD.
 
-- ``auto`` (default): ``attention``, or ``whitened`` where attention cannot be probed, or
-  ``weight`` where no calibration is possible (:func:`resolve`);
+- ``auto`` (default): ``attention``, or ``whitened`` where attention cannot be probed
+  (:func:`resolve`); both calibrate on text sampled from the model itself unless told
+  otherwise, so they need no corpus and no tokenizer. Only a model with neither BOS nor EOS
+  token falls back to ``weight``, and the plan says so (``Plan.basis_note``);
 - ``weight``: the paper, inputs assumed isotropic;
 - ``norm``: no calibration; ``G = diag(γ²) + ββᵀ`` from the normalisation feeding K/V;
 - ``whitened``: ``G`` measured on calibration text;
@@ -103,22 +105,30 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
     return out
 
 
-def resolve(name: str, model, blocks, options) -> tuple[str, dict[int, LayerMetric]]:
-    """(basis used, its metrics). ``auto`` is ``attention`` where the model routes attention
-    through transformers' AttentionInterface, else ``whitened``; either falls back to
-    ``weight`` (logged, and the plan records the basis used) where no calibration is
-    possible: no tokenizer with the model, or a calibration text missing."""
+WEIGHT_NOTE = ("weight-only SVD (the paper's calibration-free basis), {why}; on the default "
+               "model it costs far more quality than basis='auto' (bench/quality.md)")
+
+
+def resolve(name: str, model, blocks, options) -> tuple[str, dict[int, LayerMetric], str]:
+    """(basis used, its metrics, a note for the report where the basis is the weight-only
+    one). ``auto`` is ``attention`` where the model routes attention through transformers'
+    AttentionInterface, else ``whitened``; either calibrates (by default on text sampled
+    from the model, ``options.calibration``) and falls back to ``weight`` (logged, and
+    noted) only where no calibration is possible at all, e.g. the model names no BOS or EOS
+    token to sample from."""
     if name != "auto":
-        return name, BASES[name](model, blocks, options)
+        note = WEIGHT_NOTE.format(why="as asked (basis='weight')") if name == "weight" else ""
+        return name, BASES[name](model, blocks, options), note
     from .attention_probe import probe_supported
     from .calibration import CalibrationUnavailable
 
     chosen = "attention" if probe_supported(model) else "whitened"
     try:
-        return chosen, BASES[chosen](model, blocks, options)
+        return chosen, BASES[chosen](model, blocks, options), ""
     except CalibrationUnavailable as err:
-        log.warning("basis 'auto' falls back to 'weight': %s", err)
-        return "weight", {}
+        log.warning("basis 'auto' falls back to 'weight' (weight-only SVD, no calibration): %s",
+                    err)
+        return "weight", {}, WEIGHT_NOTE.format(why=f"because no calibration was possible: {err}")
 
 
 BASES: dict[str, BasisProvider] = {

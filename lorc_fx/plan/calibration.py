@@ -11,23 +11,31 @@ One forward pass over calibration windows collects, per attention layer:
 
 Calibration and evaluation never share text: every ``HOLD_OUT``-th paragraph (0, 4, 8, …) of a
 text is reserved for calibration (:func:`calibration_part`), and ``lorc_fx.evaluate`` reads
-only the other paragraphs (:func:`evaluation_part`). The default calibration mixes the news
-articles and the Austen novels that ship with this project, so no network is needed.
+only the other paragraphs (:func:`evaluation_part`).
+
+The default calibration text is ``"self"``: sequences sampled from the model itself
+(:func:`self_generated_windows`, ``lorc_fx.plan.sampling``), so calibration needs no corpus
+and no tokenizer, only a BOS or EOS token, and it generalises to genres it never saw better
+than news and Austen did (bench/calibration_sources.md). Named texts (``"news"``,
+``"austen"``, ``"pydoc"``, ``"code"``, ``"poems"``, paths) stay selectable; one this machine
+lacks becomes ``"self"`` (:func:`usable_calibration`).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .options import CalibrationOptions
+from .options import SELF_TEXT, CalibrationOptions
+from .sampling import SAMPLING, sample_sequences, start_token
 from .attention_probe import AttentionMoments, AttentionProbe, attention_modules, probe_supported
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.data.models import user_cache_dir
@@ -35,6 +43,10 @@ from lorc_fx.data.texts import split_paragraphs
 
 HOLD_OUT = 4
 _FORMAT = 1  # bump when what the cache file holds changes
+SELF_BATCH = 48  # at most this many sequences sampled side by side
+_SEED_STRIDE = 1_000_003  # sequence i of seed s draws from a generator seeded s·stride + i
+
+log = logging.getLogger(__name__)
 
 
 class CalibrationUnavailable(ValueError):
@@ -71,15 +83,26 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def calibration_windows(tokenizer, options: CalibrationOptions) -> torch.Tensor:
+def calibration_windows(tokenizer, options: CalibrationOptions,
+                        model: nn.Module | None = None) -> torch.Tensor:
     """``(n, window)`` token ids: non-overlapping windows drawn at random from the
-    calibration paragraphs of each text, the same number from each."""
+    calibration paragraphs of each text, the same number from each. The text ``"self"`` is
+    sampled from ``model`` (:func:`self_generated_windows`; ``tokenizer`` may then be
+    ``None``)."""
     from lorc_fx.data.texts import TextNotFoundError, load_text
 
     per_text = -(-options.tokens // (options.window * len(options.texts)))
     gen = torch.Generator().manual_seed(options.seed)
     out = []
     for name in options.texts:
+        if name == SELF_TEXT:
+            if model is None:
+                raise CalibrationUnavailable(f"calibration text {SELF_TEXT!r} needs the model")
+            out += list(self_generated_windows(model, tokenizer, per_text, options.window,
+                                               options.seed))
+            continue
+        if tokenizer is None:
+            raise CalibrationUnavailable(f"calibration text {name!r} needs the model's tokenizer")
         try:
             text = load_text(name)
         except TextNotFoundError as err:
@@ -142,12 +165,31 @@ def model_tokenizer(model: nn.Module):
     except (OSError, ValueError, TypeError) as err:
         raise CalibrationUnavailable(
             f"calibration needs the model's tokenizer, and none loads from {source!r}: "
-            f"load the model from a directory that holds one, or use basis='weight'") from err
+            f"load the model from a directory that holds one, or calibrate on "
+            f"{SELF_TEXT!r} (text sampled from the model itself)") from err
+
+
+def calibration_tokenizer(model: nn.Module, options: CalibrationOptions):
+    """The model's tokenizer; ``None`` where it has none and ``"self"`` is the only text
+    (sampled token ids need no tokenizer)."""
+    try:
+        return model_tokenizer(model)
+    except CalibrationUnavailable:
+        if set(options.texts) == {SELF_TEXT}:
+            return None
+        raise
+
+
+def sampling_key(options: CalibrationOptions) -> dict:
+    """What else the text of ``options`` depends on, for cache keys: how ``"self"`` is
+    sampled, where it is read."""
+    return {"self_sampling": SAMPLING} if SELF_TEXT in options.texts else {}
 
 
 def cache_path(model: nn.Module, blocks: list[AttentionBlock], options: CalibrationOptions) -> Path:
     key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
-                      "k_weights": [b.k.weight for b in blocks if b.supported], **asdict(options)},
+                      "k_weights": [b.k.weight for b in blocks if b.supported], **asdict(options),
+                      **sampling_key(options)},
                      sort_keys=True)
     return user_cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
 
@@ -162,7 +204,8 @@ def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
     if path.is_file():
         data = torch.load(path, weights_only=True)
     else:
-        windows = calibration_windows(tokenizer or model_tokenizer(model), options)
+        windows = calibration_windows(tokenizer or calibration_tokenizer(model, options), options,
+                                      model)
         data = collect(model, blocks, windows)
         _save_atomic(data, path)
     out = {}
@@ -185,3 +228,107 @@ def _save_atomic(obj, path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+# --- the self-generated calibration text ---------------------------------------------------
+
+def self_cache_path(model: nn.Module, start: int, window: int, seed: int) -> Path:
+    """Where the sequences of ``seed`` sampled from ``model`` are kept."""
+    key = json.dumps({"model": model_fingerprint(model), "seed": seed, "window": window,
+                      "start": start, **SAMPLING}, sort_keys=True)
+    return user_cache_dir() / "calibration" / f"self-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+
+
+def self_generated_windows(model: nn.Module, tokenizer, count: int, window: int,
+                           seed: int = 0) -> torch.Tensor:
+    """``(count, window)`` token ids sampled from ``model`` itself (``lorc_fx.plan.sampling``),
+    each from its BOS (else EOS) token.
+
+    Sequence ``i`` of ``seed`` draws from its own generator, so the first ``n`` sequences do
+    not depend on how many are asked for or how they are batched: sequences are kept on disk
+    per model, seed and window (``calibration/self-*.pt`` in the cache directory) and only
+    the missing ones are sampled (:func:`sample_self_text`)."""
+    return sample_self_text(model, tokenizer, [(count, window, seed)])[0]
+
+
+def self_text_request(options: CalibrationOptions) -> tuple[int, int, int] | None:
+    """``(count, window, seed)`` of the sampled sequences ``options`` read, if any."""
+    if SELF_TEXT not in options.texts:
+        return None
+    return -(-options.tokens // (options.window * len(options.texts))), options.window, options.seed
+
+
+def sample_self_text(model: nn.Module, tokenizer,
+                     requests: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """The sequences of each ``(count, window, seed)`` request (:func:`self_generated_windows`).
+    Every sequence not on disk yet is sampled in one pass (batches of up to ``SELF_BATCH``
+    sequences side by side), under one progress bar, after one warning that says where the
+    samples are kept; asking for the calibration and the held-out sequences together
+    costs little more than the calibration alone."""
+    start = start_token(model, tokenizer)
+    if start is None:
+        raise CalibrationUnavailable(
+            f"calibration text {SELF_TEXT!r} samples from a BOS or EOS token, and neither the "
+            f"tokenizer nor the config of {type(model).__name__} names one")
+    stored: dict[Path, torch.Tensor] = {}
+    wanted: dict[Path, tuple[int, int, int]] = {}
+    paths = [self_cache_path(model, start, window, seed) for _, window, seed in requests]
+    for (count, window, seed), path in zip(requests, paths):
+        if path not in stored:
+            stored[path] = (torch.load(path, weights_only=True) if path.is_file()
+                            else torch.empty(0, window, dtype=torch.long))
+        wanted[path] = (max(count, wanted.get(path, (0,))[0]), window, seed)
+    todo = {path: range(len(stored[path]), count) for path, (count, _, _) in wanted.items()
+            if len(stored[path]) < count}
+    if todo:
+        from tqdm.auto import tqdm
+
+        first = next(iter(todo))
+        log.warning("calibration: sampling %d sequences of text from the model itself, once "
+                    "per model (kept in %s)", sum(map(len, todo.values())), first.parent)
+        total = sum(len(todo[p]) * (wanted[p][1] - 1) for p in todo)
+        with tqdm(total=total, unit="tok", desc="sampling calibration text",
+                  mininterval=1.0) as bar:
+            for window in sorted({wanted[p][1] for p in todo}):
+                jobs = [(p, wanted[p][2] * _SEED_STRIDE + i) for p in todo
+                        if wanted[p][1] == window for i in todo[p]]
+                batches = -(-len(jobs) // SELF_BATCH)
+                size = -(-len(jobs) // batches)  # even batches: 36 sequences are one batch
+                for b in range(0, len(jobs), size):
+                    batch = jobs[b:b + size]
+                    rows = sample_sequences(model, start, window, [s for _, s in batch],
+                                            bar.update)
+                    for (path, _), row in zip(batch, rows):
+                        stored[path] = torch.cat([stored[path], row[None]])
+        for path in todo:
+            _save_atomic(stored[path], path)
+    return [stored[path][:count] for (count, _, _), path in zip(requests, paths)]
+
+
+def usable_calibration(model: nn.Module, options: CalibrationOptions) -> CalibrationOptions:
+    """``options`` with every named text this machine lacks (or that needs a tokenizer the
+    model does not have) replaced by the model's own samples (``"self"``), with a warning;
+    the options themselves where every text is at hand."""
+    from lorc_fx.data.texts import TextNotFoundError, load_text
+
+    named = [t for t in options.texts if t != SELF_TEXT]
+    missing, reasons = [], []
+    if named:
+        try:
+            model_tokenizer(model)
+        except CalibrationUnavailable as err:
+            missing, reasons = named, [str(err)]
+        else:
+            for name in named:
+                try:
+                    load_text(name)
+                except TextNotFoundError as err:
+                    missing.append(name)
+                    reasons.append(str(err))
+    if not missing:
+        return options
+    texts = tuple(t for t in options.texts if t not in missing)
+    texts = texts if SELF_TEXT in texts else texts + (SELF_TEXT,)
+    log.warning("calibration text(s) %s unavailable (%s); calibrating on %s instead",
+                ", ".join(map(repr, missing)), "; ".join(reasons), "+".join(texts))
+    return replace(options, texts=texts)

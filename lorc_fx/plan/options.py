@@ -16,15 +16,18 @@ BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
 # step, several times slower at long context: bench/results/long_context-cpu.md)
 OBJECTIVES = ("quality", "speed")
 LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized)
+# the calibration text sampled from the model itself (``calibration.self_generated_windows``)
+SELF_TEXT = "self"
 
 
 @dataclass(frozen=True)
 class CalibrationOptions:
-    """``tokens`` tokens in windows of ``window``, split evenly over ``texts`` (names for
-    ``lorc_fx.data.texts.load_text``), windows drawn at random (``seed``) from their
-    calibration paragraphs."""
+    """``tokens`` tokens in windows of ``window``, split evenly over ``texts``: names for
+    ``lorc_fx.data.texts.load_text``, whose windows are drawn at random (``seed``) from their
+    calibration paragraphs, or ``"self"``, sequences sampled from the model itself (``seed``
+    picks them), which needs no corpus and no tokenizer."""
 
-    texts: tuple[str, ...] = ("news", "austen")
+    texts: tuple[str, ...] = (SELF_TEXT,)
     tokens: int = 16384
     seed: int = 0
     window: int = 512

@@ -124,6 +124,8 @@ class Plan:
     # ``lorc_fx.plan``, saved with the plan and checked where a saved plan is installed
     fingerprint: str | None = None
     model_name: str | None = None
+    # why the basis is the weight-only one, where it is (``bases.resolve``); the report shows it
+    basis_note: str = ""
 
     @property
     def cache_fraction(self) -> float:
@@ -171,6 +173,7 @@ class Plan:
             "requested_fraction": self.options.cache_fraction,
             "reachable": list(self.reachable),
             "options": asdict(self.options),
+            "basis_note": self.basis_note,
             "layers": [l.summary() for l in self.layers],
             "model": self.model_name, "fingerprint": self.fingerprint,
         }
@@ -265,7 +268,6 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
     plans = []
     for l, ks, vs, (kr, vr), s, kk, kv, lk in zip(layers, k_spectra, v_spectra, allocation.ranks, skipped,
                                                   kappa_k, kappa_v, log_cum):
-        rotated = l.rope.style != "none"
         plans.append(LayerPlan(
             layer=l.layer, k_full=ks.width, v_full=vs.width, k_rank=kr, v_rank=vr, skipped=s,
             kappa_k=kk, kappa_v=kv, log_kappa_cum=lk, num_heads=l.num_heads,

@@ -22,8 +22,9 @@ from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.allocation import feasible_key_fractions
-from lorc_fx.plan.calibration import calibration_windows, model_fingerprint, model_tokenizer
-from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.calibration import (calibration_tokenizer, calibration_windows,
+                                      model_fingerprint, sampling_key)
+from lorc_fx.plan.options import CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers
 
 _FORMAT = 4  # bump when the bases change: cached splits were measured with the old ones
@@ -69,17 +70,23 @@ def _grid(inputs: list[LayerInput], options: PlanOptions) -> list[float]:
 def _cache_file(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions):
     key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
                       "k_weights": [b.k.weight for b in blocks if b.supported],
-                      "options": asdict(replace(options, key_fraction=None))},
+                      "options": asdict(replace(options, key_fraction=None)),
+                      **sampling_key(options.calibration)},
                      sort_keys=True, default=str)
     return user_cache_dir() / "calibration" / f"split-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
+def held_out_calibration(options: PlanOptions) -> CalibrationOptions:
+    """The calibration options of the held-out windows: another seed, ``SEARCH_TOKENS``."""
+    return replace(options.calibration, tokens=min(SEARCH_TOKENS, options.calibration.tokens),
+                   seed=options.calibration.seed + 1)
+
+
 def held_out_windows(model: nn.Module, options: PlanOptions, tokenizer=None) -> torch.Tensor:
     """Calibration windows the bases were not measured on (another seed)."""
-    return calibration_windows(
-        tokenizer or model_tokenizer(model),
-        replace(options.calibration, tokens=min(SEARCH_TOKENS, options.calibration.tokens),
-                seed=options.calibration.seed + 1))
+    held_out = held_out_calibration(options)
+    return calibration_windows(tokenizer or calibration_tokenizer(model, held_out), held_out,
+                               model)
 
 
 def held_out_loss(model: nn.Module, blocks: list[AttentionBlock], plan: Plan) -> float:

@@ -10,13 +10,11 @@ Measured: 0.3% (8 bits) and 9% (4 bits) of the largest logit; the bounds below (
 leave ~3× room and still fail on a broken layer (a wrong group or channel is off by the
 latent's whole range, ~100%).
 """
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from transformers import LlamaConfig
-from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicCache
 
 from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache

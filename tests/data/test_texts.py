@@ -223,6 +223,7 @@ def fake_janeaustenr(library):
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(texts, "R_LIBRARIES", ())
+    monkeypatch.setattr(texts, "POEMS_ROOTS", ())
     return tmp_path / "cache"
 
 
@@ -296,8 +297,63 @@ def test_text_file_and_bad_name(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("Ünïcode text\n", encoding="utf-8")
     assert load_text(str(path)) == "Ünïcode text\n"
-    with pytest.raises(TextNotFoundError, match="neither a known text"):
+    with pytest.raises(TextNotFoundError, match="neither a known text") as e:
         load_text(str(tmp_path / "missing.txt"))
+    assert all(repr(name) in str(e.value) for name in texts.TEXT_NAMES)
+
+
+# --- texts of other genres ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["pydoc", "code"])
+def test_stdlib_texts_ship_with_python_and_split_into_paragraphs(name):
+    from lorc_fx.plan.calibration import calibration_part, evaluation_part
+
+    text = load_text(name)
+    paragraphs = text.split("\n\n")
+    assert len(paragraphs) >= 20 and len(text) > 200_000
+    assert all(p.strip() and p == p.rstrip() for p in paragraphs)
+    assert any(line.startswith("    ") for line in text.splitlines())  # indentation kept
+    assert calibration_part(text) and evaluation_part(text)
+
+
+def fake_fortunes(root, poems):
+    path = root / texts.POEMS_FILE
+    path.parent.mkdir(parents=True)
+    path.write_text("\n%\n".join(poems) + "\n%\n")
+
+
+def test_poems_are_one_paragraph_each_with_their_line_breaks(tmp_path, cache, monkeypatch):
+    fake_fortunes(tmp_path / "root", ["Roses are red,\n  violets blue.\n\nSecond stanza.",
+                                      "\nOne line only.\n"])
+    monkeypatch.setattr(texts, "POEMS_ROOTS", (tmp_path / "root",))  # as apt installs it
+    assert load_text("poems") == ("Roses are red,\nviolets blue.\nSecond stanza."
+                                  "\n\nOne line only.")
+
+
+def test_poems_absent_say_how_to_get_them(cache):
+    with pytest.raises(TextNotFoundError, match="lorc fetch-poems"):
+        load_text("poems")
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
+def test_fetch_poems_unpacks_into_cache(tmp_path, cache, monkeypatch):
+    root = tmp_path / "pkg"
+    fake_fortunes(root, ["A short poem,\nin two lines."])
+    (root / "DEBIAN").mkdir()
+    (root / "DEBIAN" / "control").write_text(
+        "Package: fortunes\nVersion: 1:1.99.1-7\nArchitecture: all\n"
+        "Maintainer: test <t@example.org>\nDescription: test\n")
+    deb = tmp_path / "fake.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)],
+                   check=True, capture_output=True)
+    fake_apt_get(tmp_path / "bin", f"cp {deb} ./fortunes_1.99.1-7_all.deb\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+    path = texts.fetch_poems()
+    assert path.is_relative_to(cache) and path.read_text().startswith("A short poem")
+    assert [p.name for p in cache.iterdir()] == ["fortunes"]  # no temporary leftovers
+    (tmp_path / "bin" / "apt-get").unlink()
+    assert texts.fetch_poems() == path  # already there: no download
 
 
 # --- the real texts, when installed ---------------------------------------------------------
@@ -342,3 +398,13 @@ def test_a_binary_text_file_is_refused_naming_it(tmp_path):
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ValueError, match="weights.bin.*is not UTF-8 text"):
         load_text(str(path))
+
+
+def test_real_poems():
+    try:
+        text = load_text("poems")
+    except TextNotFoundError as err:
+        assert "fetch-poems" in str(err)
+        pytest.skip("fortunes not fetched (lorc fetch-poems)")
+    poems = text.split("\n\n")
+    assert len(poems) > 500 and sum("\n" in p for p in poems) > 0.9 * len(poems)

@@ -1,8 +1,9 @@
 """Data-aware bases, rank allocation and the evaluation harness, on tiny random Llamas.
 
-The tiny model (``helpers.tiny_llama``) is saved with a word-level tokenizer into a
-temporary directory, so every path a user takes (``plan``, ``compress``, ``evaluate``,
-``lorc eval``) runs as for a real model: no downloads, a few seconds each.
+The tiny model (``helpers.tiny_llama``, fixtures ``tiny`` and ``loaded`` in conftest.py) is
+saved with a word-level tokenizer into a temporary directory, so every path a user takes
+(``plan``, ``compress``, ``evaluate``, ``lorc eval``) runs as for a real model: no
+downloads, a few seconds each.
 """
 from __future__ import annotations
 
@@ -20,25 +21,7 @@ from lorc_fx.plan.calibration import CalibrationOptions, calibration_part, colle
 from lorc_fx.plan.planner import PlanOptions, plan_layers
 from lorc_fx.plan.schedules import UnreachableFraction
 from helpers.plan_inputs import random_layers
-from helpers.tiny_llama import HEAD_DIM, HEADS, KV_HEADS, save_tiny_llama, write_text
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    text = write_text(root / "text.txt")
-    return save_tiny_llama(root / "model"), text
-
-
-@pytest.fixture
-def loaded(tiny, tmp_path, monkeypatch):
-    from lorc_fx.analysis import analyze
-    from lorc_fx.data.models import load_model, load_tokenizer
-
-    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "cache"))
-    directory, text = tiny
-    model = load_model(directory)
-    return model, load_tokenizer(directory), analyze(model), text
+from helpers.tiny_llama import HEAD_DIM, HEADS, KV_HEADS
 
 
 def calib(text: str) -> CalibrationOptions:
@@ -80,13 +63,16 @@ def test_whitened_basis_reduces_the_data_weighted_error(loaded):
     assert whitened < 0.8 * weight
 
 
-def test_auto_basis_uses_attention_when_it_can_calibrate_else_weight(loaded, monkeypatch):
+def test_auto_basis_uses_attention_when_it_can_calibrate(loaded, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model, tok, blocks, text = loaded
     assert plan(model, 0.75, calibration=calib(text), blocks=blocks).options.basis == "attention"
     bare = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "_name_or_path": ""})).eval()
-    assert plan(bare, 0.75, calibration=calib(text), blocks=blocks).options.basis == "weight"
+    # no tokenizer: calibrated on the model's own samples, never the weight-only basis
+    planned = plan(bare, 0.75, calibration=calib(text), blocks=blocks)
+    assert planned.options.basis == "attention" and not planned.basis_note
+    assert planned.options.calibration.texts == ("self",)
 
 
 def test_calibration_is_cached_on_disk(loaded, monkeypatch):

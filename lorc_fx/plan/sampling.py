@@ -1,0 +1,88 @@
+"""Text sampled from the model itself: calibration that needs no corpus and no tokenizer.
+
+Every sequence starts from the model's BOS token (else EOS) and continues by plain
+temperature sampling within the nucleus ``top_p`` (``SAMPLING``), decoding with the model's
+own KV cache. Each sequence draws its random numbers from its own generator, seeded by the
+caller, so a sequence does not depend on which others are sampled beside it or how many;
+``lorc_fx.plan.calibration`` keeps them on disk.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+# what the samples depend on besides the model and the seeds: part of their cache key
+SAMPLING = {"temperature": 1.0, "top_p": 0.95, "version": 1}
+# candidates looked at before sorting the whole vocabulary, in tiers: a top-k of a few
+# hundred holds the nucleus of most steps and costs a fraction of a full sort
+_NUCLEUS_CANDIDATES = (512, 4096)
+
+
+def start_token(model: nn.Module, tokenizer=None) -> int | None:
+    """The token every sampled sequence starts from: BOS, else EOS, of the tokenizer, the
+    generation config or the model config, in that order; ``None`` where none has one."""
+    for source in (tokenizer, getattr(model, "generation_config", None),
+                   getattr(model, "config", None)):
+        for attr in ("bos_token_id", "eos_token_id"):
+            tid = getattr(source, attr, None)
+            if isinstance(tid, (list, tuple)):
+                tid = tid[0] if tid else None
+            if tid is not None:
+                return int(tid)
+    return None
+
+
+def nucleus_pick(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """``(b, 1)`` token ids: for each row of ``probs`` (``(b, vocab)``), the token at quantile
+    ``u`` of the nucleus, the most probable tokens up to and including the one whose
+    cumulative probability reaches ``top_p``."""
+    vocab = probs.shape[-1]
+    out = torch.empty(len(probs), 1, dtype=torch.long)
+    rows = torch.arange(len(probs))
+    for k in [k for k in _NUCLEUS_CANDIDATES if k < vocab] + [vocab]:
+        values, order = probs[rows].topk(k, dim=-1) if k < vocab else probs[rows].sort(
+            dim=-1, descending=True)
+        # the nucleus ends within the candidates where their cumulative probability reaches
+        # top_p (the very sums a full sort takes); the other rows go on to more candidates
+        done = values.cumsum(-1)[:, -1] >= top_p if k < vocab else torch.ones_like(rows, dtype=torch.bool)
+        out[rows[done]] = _pick_sorted(values[done], order[done], top_p, u[rows[done]])
+        rows = rows[~done]
+        if not len(rows):
+            break
+    return out
+
+
+def _pick_sorted(values: torch.Tensor, order: torch.Tensor, top_p: float,
+                 u: torch.Tensor) -> torch.Tensor:
+    kept = values * (values.cumsum(-1) - values < top_p)
+    cdf = kept.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp_max(cdf.shape[-1] - 1)
+    return order.gather(-1, pick)
+
+
+@torch.no_grad()
+def sample_sequences(model: nn.Module, start: int, length: int, seeds: list[int],
+                     step: Callable[[int], None] | None = None) -> torch.Tensor:
+    """``(len(seeds), length)`` token ids, ``start`` first, sequence ``i`` drawn with a
+    generator seeded ``seeds[i]``; decoded with a plain ``DynamicCache`` (also on a model
+    whose ``generate`` was given a latent cache). ``step(n)`` is called after every decode
+    step with the ``n`` tokens it produced (a progress bar's ``update``)."""
+    from transformers.cache_utils import DynamicCache
+
+    device = next(model.parameters()).device
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    ids = torch.full((len(seeds), 1), start, dtype=torch.long)
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    out = [ids]
+    temperature, top_p = SAMPLING["temperature"], SAMPLING["top_p"]
+    for _ in range(length - 1):
+        logits = model(ids.to(device), past_key_values=cache, use_cache=True).logits[:, -1]
+        probs = torch.softmax(logits.double().cpu() / temperature, dim=-1)
+        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens])
+        ids = nucleus_pick(probs, top_p, u)
+        out.append(ids)
+        if step is not None:
+            step(len(seeds))
+    return torch.cat(out, dim=1)
