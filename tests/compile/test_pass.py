@@ -31,7 +31,7 @@ def test_full_fraction_compiled_matches_uncompressed_eager(arch, rope, cache, se
     model = build(config, seed)
     ids, mask = prompt(seed=seed)
     expected = generate(model, ids, mask, cache)
-    compress(model, 1.0, rope=rope)
+    compress(model, 1.0, basis="weight", rope=rope)
     backend = lorc_backend.with_options(inductor=False)
     with compiled(model, backend):
         got = generate(model, ids, mask, cache)
@@ -57,7 +57,8 @@ def test_compressed_compiled_matches_eager_latent_and_cache_shrinks(arch, rope, 
     model = build(config, seed)
     ids, mask = prompt(seed=seed)
     try:
-        report = compress(model, fraction, schedule="uniform", rope=rope, rank_multiple=1)
+        report = compress(model, fraction, basis="weight", schedule="uniform", rope=rope,
+                          rank_multiple=1)
     except UnreachableFraction as err:  # a tiny model's least ranks (and RoPE angle log)
         assert fraction < err.lowest    # can outweigh the budget
         return
@@ -77,7 +78,7 @@ def test_latent_cache_keeps_beam_search_and_cropping():
     model = build(config_for("llama", heads=4, kv_heads=2))
     ids, mask = prompt()
     expected = generate(model, ids, mask, num_beams=3)
-    compress(model, 1.0)
+    compress(model, 1.0, basis="weight")
     got = generate(model, ids, mask, num_beams=3)
     assert torch.equal(got.sequences, expected.sequences)
     cache = got.past_key_values
@@ -124,7 +125,7 @@ def test_backend_compresses_an_uncompressed_model(rope, fraction):
                                             schedule="uniform", rope=rope)
         torch._dynamo.reset()
         got = torch.compile(model, backend=backend)(ids, use_cache=False).logits
-        compress(model, fraction, schedule="uniform", rope=rope)
+        compress(model, fraction, basis="weight", schedule="uniform", rope=rope)
         eager = model(ids, past_key_values=latent_cache(model), use_cache=True).logits
     torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
     if fraction == 1.0:
@@ -158,7 +159,7 @@ def test_backend_is_registered_by_name():
 def test_rewrite_keeps_in_place_cache_writes():
     """The static cache writes latents with index_copy_; no rewrite may drop those nodes."""
     model = build(config_for("llama"))
-    compress(model, 0.5, schedule="uniform")
+    compress(model, 0.5, basis="weight", schedule="uniform")
     graphs = []
 
     def spy(gm, example_inputs):
@@ -183,7 +184,7 @@ def test_inductor_matches_eager(family, fraction, cache):
     model = build(config_for(family, heads=4, kv_heads=2 if family == "llama" else 4))
     ids, mask = prompt()
     expected = generate(model, ids, mask, cache)
-    compress(model, fraction, schedule="uniform")
+    compress(model, fraction, basis="weight", schedule="uniform")
     if fraction < 1.0:
         expected = generate(model, ids, mask, cache)
     with compiled(model, lorc_backend):
@@ -229,7 +230,7 @@ def test_backend_says_once_what_changed_outputs(caplog):
 def test_skipped_layers_store_full_keys_and_values():
     model = build(config_for("llama", heads=4, kv_heads=2, layers=3))
     ids, mask = prompt()
-    compress(model, 0.8, schedule="uniform", keep_first=1, rank_multiple=1)
+    compress(model, 0.8, basis="weight", schedule="uniform", keep_first=1, rank_multiple=1)
     cache = generate(model, ids, mask).past_key_values
     first, second = cache.layers[0], cache.layers[1]
     assert type(first).__name__ == "DynamicLayer" and first.keys.shape[1] == 2  # (b, h_kv, n, d)
@@ -248,7 +249,7 @@ def test_draft_decoding_at_full_fraction_matches_uncompressed(rope, decoding, co
     kwargs = ({"prompt_lookup_num_tokens": 2} if decoding == "prompt_lookup"
               else {"assistant_model": build(config_for("llama", heads=4, kv_heads=2), seed=1)})
     expected = generate(model, ids, mask, new_tokens=30)
-    compress(model, 1.0, rope=rope)
+    compress(model, 1.0, basis="weight", rope=rope)
     if compile_it:
         with compiled(model, REWRITE_ONLY):
             got = generate(model, ids, mask, new_tokens=30, **kwargs)
