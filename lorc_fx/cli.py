@@ -58,7 +58,9 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                         "poems, or paths, of which only every 4th paragraph is read; a "
                         "missing text becomes self")
     p.add_argument("--calibration-tokens", type=int, default=default.tokens,
-                   help=f"calibration tokens, in windows of {default.window}")
+                   help="calibration tokens, in windows of --calibration-window")
+    p.add_argument("--calibration-window", type=int, default=default.window,
+                   help="tokens per calibration window (per sampled sequence for self)")
     p.add_argument("--calibration-seed", type=int, default=default.seed,
                    help="seed of the calibration windows drawn (or sampled)")
 
@@ -73,7 +75,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
                   keep_first=args.keep_first, rank_multiple=args.rank_multiple,
                   key_fraction=args.key_fraction,
                   calibration=CalibrationOptions(texts=texts, tokens=args.calibration_tokens,
-                                                 seed=args.calibration_seed))
+                                                 seed=args.calibration_seed,
+                                                 window=args.calibration_window))
     if hasattr(args, "cache_fraction"):
         kwargs["cache_fraction"] = args.cache_fraction
     if hasattr(args, "schedule"):
