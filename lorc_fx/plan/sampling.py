@@ -38,19 +38,20 @@ def nucleus_pick(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> torch.Te
     """``(b, 1)`` token ids: for each row of ``probs`` (``(b, vocab)``), the token at quantile
     ``u`` of the nucleus, the most probable tokens up to and including the one whose
     cumulative probability reaches ``top_p``."""
-    vocab = probs.shape[-1]
     out = torch.empty(len(probs), 1, dtype=torch.long)
     rows = torch.arange(len(probs))
-    for k in [k for k in _NUCLEUS_CANDIDATES if k < vocab] + [vocab]:
-        values, order = probs[rows].topk(k, dim=-1) if k < vocab else probs[rows].sort(
-            dim=-1, descending=True)
+    for k in _NUCLEUS_CANDIDATES:
+        if k >= probs.shape[-1] or not len(rows):
+            break
+        values, order = probs[rows].topk(k, dim=-1)
         # the nucleus ends within the candidates where their cumulative probability reaches
         # top_p (the very sums a full sort takes); the other rows go on to more candidates
-        done = values.cumsum(-1)[:, -1] >= top_p if k < vocab else torch.ones_like(rows, dtype=torch.bool)
+        done = values.cumsum(-1)[:, -1] >= top_p
         out[rows[done]] = _pick_sorted(values[done], order[done], top_p, u[rows[done]])
         rows = rows[~done]
-        if not len(rows):
-            break
+    if len(rows):
+        values, order = probs[rows].sort(dim=-1, descending=True)
+        out[rows] = _pick_sorted(values, order, top_p, u[rows])
     return out
 
 
