@@ -108,7 +108,8 @@ def _plan_json(plan: Plan) -> dict:
     return {"format": FORMAT, "version": VERSION, "fingerprint": plan.fingerprint,
             "model": plan.model_name, "cache_fraction": plan.cache_fraction,
             "options": asdict(plan.options), "reachable": list(plan.reachable),
-            "rotary_log": plan.rotary_log, "layers": [_layer_json(l) for l in plan.layers]}
+            "rotary_log": plan.rotary_log, "basis_note": plan.basis_note,
+            "layers": [_layer_json(l) for l in plan.layers]}
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
@@ -198,8 +199,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
                                     f"this lorc_fx reads up to {VERSION}: update lorc_fx")
             layers = [_layer(f, l, source) for l in data["layers"]]
             plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]),
-                        data["rotary_log"], fingerprint=data["fingerprint"],
-                        model_name=data.get("model"))
+                        data["rotary_log"], basis_note=data.get("basis_note", ""),
+                        fingerprint=data["fingerprint"], model_name=data.get("model"))
     except PlanFileError:
         raise
     except Exception as err:  # safetensors' own error, bad JSON, missing or mistyped fields

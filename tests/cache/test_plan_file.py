@@ -44,6 +44,7 @@ def assert_same_plan(got, expected):
     assert got.options == expected.options
     assert got.reachable == pytest.approx(expected.reachable)
     assert got.rotary_log == expected.rotary_log
+    assert got.basis_note == expected.basis_note  # the report's basis: line survives the file
     assert got.fingerprint == expected.fingerprint and got.fingerprint is not None
     assert len(got.layers) == len(expected.layers)
     for a, b in zip(got.layers, expected.layers):
