@@ -253,19 +253,25 @@ def fake_apt_get(bin_dir, script):
     apt.chmod(0o755)
 
 
-@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
-def test_fetch_austen_unpacks_into_cache(tmp_path, cache, monkeypatch):
-    root = tmp_path / "pkg"
-    fake_janeaustenr(root / "usr" / "lib" / "R" / "site-library")
+def serve_deb(tmp_path, root, package: str, version: str, monkeypatch) -> None:
+    """Build ``root`` into a .deb of ``package`` ``version`` and put on PATH a fake apt-get
+    whose ``download`` drops it where apt would (epoch left out of the file name)."""
     (root / "DEBIAN").mkdir()
     (root / "DEBIAN" / "control").write_text(
-        "Package: r-cran-janeaustenr\nVersion: 1.0.0-1\nArchitecture: all\n"
+        f"Package: {package}\nVersion: {version}\nArchitecture: all\n"
         "Maintainer: test <t@example.org>\nDescription: test\n")
     deb = tmp_path / "fake.deb"
     subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)],
                    check=True, capture_output=True)
-    fake_apt_get(tmp_path / "bin", f"cp {deb} ./r-cran-janeaustenr_1.0.0-1_all.deb\n")
+    fake_apt_get(tmp_path / "bin", f"cp {deb} ./{package}_{version.split(':')[-1]}_all.deb\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
+def test_fetch_austen_unpacks_into_cache(tmp_path, cache, monkeypatch):
+    root = tmp_path / "pkg"
+    fake_janeaustenr(root / "usr" / "lib" / "R" / "site-library")
+    serve_deb(tmp_path, root, "r-cran-janeaustenr", "1.0.0-1", monkeypatch)
 
     data = texts.fetch_austen()
     assert data.is_relative_to(cache) and (data / "Rdata.rdb").is_file()
@@ -339,15 +345,7 @@ def test_poems_absent_say_how_to_get_them(cache):
 def test_fetch_poems_unpacks_into_cache(tmp_path, cache, monkeypatch):
     root = tmp_path / "pkg"
     fake_fortunes(root, ["A short poem,\nin two lines."])
-    (root / "DEBIAN").mkdir()
-    (root / "DEBIAN" / "control").write_text(
-        "Package: fortunes\nVersion: 1:1.99.1-7\nArchitecture: all\n"
-        "Maintainer: test <t@example.org>\nDescription: test\n")
-    deb = tmp_path / "fake.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)],
-                   check=True, capture_output=True)
-    fake_apt_get(tmp_path / "bin", f"cp {deb} ./fortunes_1.99.1-7_all.deb\n")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    serve_deb(tmp_path, root, "fortunes", "1:1.99.1-7", monkeypatch)
 
     path = texts.fetch_poems()
     assert path.is_relative_to(cache) and path.read_text().startswith("A short poem")
