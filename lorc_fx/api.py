@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,11 +25,14 @@ from lorc_fx.plan import plan_file
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.calibration import (CalibrationUnavailable, cache_path, calibration_tokenizer,
                                       sample_self_text, self_text_request, usable_calibration)
-from lorc_fx.plan.options import ROPE_MODES, CalibrationOptions, PlanOptions
+from lorc_fx.data.models import user_cache_dir
+from lorc_fx.plan.options import ROPE_MODES, SELF_TEXT, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.report import CompressionReport
-from lorc_fx.search.split import held_out_calibration, held_out_loss, measured_split
+from lorc_fx.search.fraction import bisection_steps, check_target, smallest_fraction
+from lorc_fx.search.split import (calibration_loss, held_out_calibration, held_out_loss,
+                                  held_out_windows, measured_split)
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +146,18 @@ class NoAttentionFound(ValueError):
         super().__init__(f"no attention to compress in {type(model).__name__}: {why}")
 
 
-def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "calibrated",
+def plan(model: nn.Module, cache_fraction: float | None = None, *,
+         max_ppl_increase: float | None = None, schedule: str = "calibrated",
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
          calibration: CalibrationOptions | None = None, objective: str = "quality",
          latent_bits: int = 16, latent_group: int = 32,
          blocks: list[AttentionBlock] | None = None) -> Plan:
-    """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V cache.
+    """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V
+    cache (default 0.6), or, with ``max_ppl_increase=t``, the smallest fraction on a grid of
+    0.05 whose perplexity on held-out calibration windows is at most ``1 + t`` times the
+    uncompressed model's (``lorc_fx.search.fraction``; the plan's ``fraction_search`` says
+    what was measured).
 
     ``blocks`` defaults to :func:`lorc_fx.analyze` of the model. ``basis="auto"`` picks the
     best basis calibration allows (``lorc_fx.plan.bases.resolve``); ``calibration`` says which
@@ -165,7 +176,9 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
     mode used. A model without attention
     the analysis can compress raises :class:`NoAttentionFound`.
     """
-    options = checked_options(cache_fraction, schedule=schedule, rope=rope, basis=basis,
+    check_target(max_ppl_increase, cache_fraction)
+    options = checked_options(0.6 if cache_fraction is None else cache_fraction,
+                              schedule=schedule, rope=rope, basis=basis,
                               skip_threshold=skip_threshold, keep_first=keep_first,
                               rank_multiple=rank_multiple, key_fraction=key_fraction,
                               calibration=calibration, objective=objective,
@@ -174,26 +187,90 @@ def plan(model: nn.Module, cache_fraction: float = 0.6, *, schedule: str = "cali
         blocks = analyze(model)
     _require_attention(model, blocks)
     modes = rope_modes(rope, model, blocks, objective)
-    if basis == "auto" or basis in CALIBRATED_BASES:
+    measure = len(modes) > 1 or max_ppl_increase is not None
+    first = None
+    if basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None:
         options = replace(options, calibration=usable_calibration(model, options.calibration))
-        _sample_ahead(model, blocks, options, held_out=len(modes) > 1 or (
+        first = _announce_first_calibration(model, blocks, options, modes)
+        _sample_ahead(model, blocks, options, held_out=measure or (
             schedule == "calibrated" and key_fraction is None))
+    start = time.perf_counter()
+    if max_ppl_increase is None:
+        best, _ = _best_plan(model, blocks, options, modes, measure)
+    else:
+        best = _plan_within(model, blocks, options, modes, max_ppl_increase)
+    if first is not None:
+        log.warning("lorc_fx: calibrated and planned in %.0f s; later plans of this model "
+                    "reuse what %s keeps", time.perf_counter() - start, first)
+    return replace(best, fingerprint=plan_file.plan_fingerprint(model),
+                   model_name=plan_file.model_name(model))
+
+
+def _announce_first_calibration(model: nn.Module, blocks: list[AttentionBlock],
+                                options: PlanOptions, modes: list[str]) -> Path | None:
+    """Where a first calibration of ``model`` with these options keeps what it measures,
+    after one warning saying what it does; ``None`` where it was calibrated before."""
+    if cache_path(model, blocks, options.calibration).is_file():
+        return None
+    where = user_cache_dir() / "calibration"
+    steps = (["sampling calibration text from the model"] if SELF_TEXT in options.calibration.texts
+             else []) + ["measuring attention statistics on it",
+                         f"measuring the key/value split of {' and '.join(modes)} RoPE mode(s)"]
+    log.warning("lorc_fx: first plan of %s with these calibration options: %s (minutes on a "
+                "CPU; progress below), kept in %s for later plans. A saved plan skips it all: "
+                "report.save(path), then compress(model, plan=path)",
+                type(model).__name__, ", ".join(steps), where)
+    return where
+
+
+def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+               modes: list[str], measure: bool) -> tuple[Plan, float | None]:
+    """The plan of the RoPE mode in ``modes`` with the least held-out calibration loss
+    (measured where ``measure`` asks, else the first mode that plans), and that loss."""
     planned, refused = [], []
     for mode in modes:
         try:
-            result, loss = _plan_mode(model, blocks, replace(options, rope=mode), len(modes) > 1)
+            result, loss = _plan_mode(model, blocks, replace(options, rope=mode), measure)
         except UnreachableFraction as err:
             refused.append(err)
             continue
         if loss is None:  # nothing to compare on: the first mode that plans
-            planned = [(0.0, result)]
-            break
+            return result, None
         planned.append((loss, result))
     if not planned:
         raise refused[0]
-    best = min(planned, key=lambda p: p[0])[1]
-    return replace(best, fingerprint=plan_file.plan_fingerprint(model),
-                   model_name=plan_file.model_name(model))
+    loss, best = min(planned, key=lambda p: p[0])
+    return best, loss
+
+
+def _plan_within(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                 modes: list[str], max_ppl_increase: float) -> Plan:
+    """The plan at the smallest fraction meeting ``max_ppl_increase``, with its search."""
+    from tqdm.auto import tqdm
+
+    full_loss = calibration_loss(model, blocks, None, held_out_windows(model, options))
+    plans: dict[float, Plan] = {}
+
+    def loss_at(fraction: float) -> float:
+        try:
+            plans[fraction], loss = _best_plan(
+                model, blocks, replace(options, cache_fraction=fraction), modes, True)
+        except UnreachableFraction:
+            return math.inf
+        return held_out_loss(model, blocks, plans[fraction]) if loss is None else loss
+
+    log.warning("lorc_fx: finding the smallest cache fraction within +%.3g%% perplexity on "
+                "held-out calibration text (one plan per fraction tried)", 100 * max_ppl_increase)
+    with tqdm(total=bisection_steps(), desc="cache fraction search", unit="plan") as bar:
+        search = smallest_fraction(loss_at, full_loss, max_ppl_increase, bar.update)
+        bar.total = bar.n  # bisection may stop early
+    chosen = plans.get(search.chosen)
+    if chosen is None:  # 1.0: every smaller fraction tried missed the target
+        chosen, _ = _best_plan(model, blocks, replace(options, cache_fraction=search.chosen),
+                               modes, False)
+    log.info("lorc_fx: cache fraction %.2f chosen for max_ppl_increase=%g (held-out ×%.4f)",
+             search.chosen, max_ppl_increase, search.ratios.get(search.chosen, 1.0))
+    return replace(chosen, fraction_search=search.to_json())
 
 
 _plan = plan  # ``compress`` takes a ``plan=`` argument
@@ -238,8 +315,9 @@ def save_plan(source: nn.Module | Plan | CompressionReport, path: str | os.PathL
 def compress(model: nn.Module, cache_fraction: float | None = None, *,
              plan: str | os.PathLike | Plan | None = None,
              blocks: list[AttentionBlock] | None = None, **plan_options) -> CompressionReport:
-    """Plan LoRC ranks for ``model`` (keeping ``cache_fraction`` of its cache, default 0.6,
-    options as for :func:`plan`) and make its ``generate`` use a latent KV cache.
+    """Plan LoRC ranks for ``model`` (keeping ``cache_fraction`` of its cache, default 0.6, or
+    the least fraction within ``max_ppl_increase``; options as for :func:`plan`) and make its
+    ``generate`` use a latent KV cache.
 
     ``plan`` installs a plan instead: a path :func:`save_plan` wrote (or a :class:`Plan`);
     nothing is calibrated or planned, only analysed, and a plan for another model, or one
@@ -254,9 +332,11 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
         given = (["cache_fraction"] if cache_fraction is not None else []) + sorted(plan_options)
         raise ValueError(f"compress(plan=...) installs a saved plan as it is; "
                          f"{', '.join(given)} cannot change it (plan again without plan=)")
-    cache_fraction = 0.6 if cache_fraction is None else cache_fraction
-    if plan is None:
-        checked_options(cache_fraction, **plan_options)  # bad options fail before any analysis
+    if plan is None:  # bad options fail before any analysis
+        target = plan_options.get("max_ppl_increase")
+        check_target(target, cache_fraction)
+        checked_options(0.6 if cache_fraction is None else cache_fraction,
+                        **{k: v for k, v in plan_options.items() if k != "max_ppl_increase"})
     dtype_bytes = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     try:
         if blocks is None:

@@ -20,8 +20,14 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                       choice: bool = True) -> None:
     if fraction:
-        p.add_argument("--cache-fraction", type=float, default=0.6,
-                       help="kept K+V cache bytes / full K+V cache bytes, in (0, 1]")
+        p.add_argument("--cache-fraction", type=float, default=None,
+                       help="kept K+V cache bytes / full K+V cache bytes, in (0, 1]; "
+                            "None: 0.6, or what --max-ppl-increase chooses")
+        p.add_argument("--max-ppl-increase", type=float, default=None,
+                       help="instead of --cache-fraction: the smallest fraction (steps of "
+                            "0.05) whose perplexity on held-out calibration text is at most "
+                            "1 + this times the full cache's, e.g. 0.02 (a plan per fraction "
+                            "tried)")
     if choice:
         p.add_argument("--schedule", default="calibrated",
                        help="how ranks are spread over layers: calibrated (key/value split "
@@ -68,6 +74,7 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
 def _plan_kwargs(args: argparse.Namespace) -> dict:
     """The plan options the arguments ask for, checked (``ValueError`` naming the option)."""
     from lorc_fx.api import checked_options
+    from lorc_fx.search.fraction import check_target
 
     texts = tuple(t.strip() for t in args.calibration_text.split(",") if t.strip())
     kwargs = dict(rope=args.rope, objective=args.objective, latent_bits=args.latent_bits,
@@ -77,11 +84,13 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
                   calibration=CalibrationOptions(texts=texts, tokens=args.calibration_tokens,
                                                  seed=args.calibration_seed,
                                                  window=args.calibration_window))
-    if hasattr(args, "cache_fraction"):
-        kwargs["cache_fraction"] = args.cache_fraction
     if hasattr(args, "schedule"):
         kwargs.update(schedule=args.schedule, basis=args.basis)
-    checked_options(**kwargs)
+    fraction = getattr(args, "cache_fraction", None)
+    checked_options(0.6 if fraction is None else fraction, **kwargs)
+    if hasattr(args, "cache_fraction"):
+        check_target(args.max_ppl_increase, fraction)
+        kwargs.update(cache_fraction=fraction, max_ppl_increase=args.max_ppl_increase)
     return kwargs
 
 
@@ -247,9 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="per-layer LoRC ranks for a cache fraction",
                        formatter_class=_SHOW_DEFAULTS,
-                       description="Per-layer ranks for a cache fraction. Unlike compress, "
-                                   "eval and demo, plan defaults to the paper's plan "
-                                   "(progressive schedule, weight-only basis).")
+                       description="Per-layer ranks for a cache fraction, with the defaults "
+                                   "of compress, eval and demo (calibrated schedule, "
+                                   "attention-aware basis); the paper's plan is "
+                                   "--schedule progressive --basis weight.")
     _add_model(p)
     _add_plan_options(p)
     p.add_argument("--json", help="write the plan as JSON")
@@ -257,9 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", help="write the plan (bases, ranks, options, model fingerprint) "
                                   "as a safetensors file, or lorc_plan.safetensors in a "
                                   "directory, for `lorc eval --plan` or compress(model, plan=...)")
-    # `lorc plan` shows the paper's plan (progressive ranks from weight-only SVD) unless told
-    # otherwise; compress/eval/demo default to the measured best (calibrated, auto basis).
-    p.set_defaults(run=cmd_plan, schedule="progressive", basis="weight")
+    p.set_defaults(run=cmd_plan)
 
     p = sub.add_parser("analyze", help="attention blocks found in the model's captured graph",
                        formatter_class=_SHOW_DEFAULTS)

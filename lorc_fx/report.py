@@ -26,6 +26,8 @@ def plan_table(plan: Plan) -> str:
         f"cache fraction: {plan.cache_fraction:.4f} (requested {o.cache_fraction:.4f}; "
         f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, rope={o.rope})")
     lines.append(f"basis: {basis_description(plan)}")
+    if plan.fraction_search:
+        lines.append(f"fraction: {fraction_description(plan.fraction_search)}")
     if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):
         lines.append(
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
@@ -49,6 +51,14 @@ def basis_description(plan: Plan) -> str:
                        for t in c.texts)
     return (f"{o.basis}, calibrated on {c.tokens} tokens ({texts}; windows of {c.window}, "
             f"seed {c.seed})")
+
+
+def fraction_description(search: dict) -> str:
+    """How ``max_ppl_increase`` chose the fraction, in words."""
+    tried = ", ".join(f"{f} ×{r:.3f}" for f, r in search["measured"].items())
+    return (f"{search['chosen_fraction']:.2f} requested, the smallest whose held-out calibration "
+            f"perplexity is within ×{1 + search['max_ppl_increase']:.3g} of the full cache's "
+            f"(×{search['ppl_ratio']:.4f}; tried {tried or 'none'})")
 
 
 def plot_plan(plan: Plan, path: str) -> None:

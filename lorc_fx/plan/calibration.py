@@ -143,9 +143,12 @@ def collect(model: nn.Module, blocks: list[AttentionBlock], windows: torch.Tenso
     layers = attention_modules(model, {b.layer: b.k.weight for b in supported})
     device = next(model.parameters()).device
     probe = AttentionProbe(model, layers)
+    from tqdm.auto import tqdm
+
     try:
         with probe if probe_supported(model) else contextlib.nullcontext():
-            for batch in windows.split(batch_size):
+            for batch in tqdm(windows.split(batch_size), desc="calibrating on it",
+                              unit="batch", mininterval=1.0):
                 model(batch.to(device), use_cache=False)
     finally:
         for h in handles:
@@ -284,8 +287,8 @@ def sample_self_text(model: nn.Module, tokenizer,
         from tqdm.auto import tqdm
 
         first = next(iter(todo))
-        log.warning("calibration: sampling %d sequences of text from the model itself, once "
-                    "per model (kept in %s)", sum(map(len, todo.values())), first.parent)
+        log.info("calibration: sampling %d sequences of text from the model itself, once "
+                 "per model (kept in %s)", sum(map(len, todo.values())), first.parent)
         total = sum(len(todo[p]) * (wanted[p][1] - 1) for p in todo)
         with tqdm(total=total, unit="tok", desc="sampling calibration text",
                   mininterval=1.0) as bar:

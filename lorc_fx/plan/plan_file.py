@@ -109,6 +109,7 @@ def _plan_json(plan: Plan) -> dict:
             "model": plan.model_name, "cache_fraction": plan.cache_fraction,
             "options": asdict(plan.options), "reachable": list(plan.reachable),
             "rotary_log": plan.rotary_log, "basis_note": plan.basis_note,
+            "fraction_search": plan.fraction_search,
             "layers": [_layer_json(l) for l in plan.layers]}
 
 
@@ -200,6 +201,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
             layers = [_layer(f, l, source) for l in data["layers"]]
             plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]),
                         data["rotary_log"], basis_note=data.get("basis_note", ""),
+                        fraction_search=data.get("fraction_search"),
                         fingerprint=data["fingerprint"], model_name=data.get("model"))
     except PlanFileError:
         raise

@@ -126,6 +126,9 @@ class Plan:
     model_name: str | None = None
     # why the basis is the weight-only one, where it is (``bases.resolve``); the report shows it
     basis_note: str = ""
+    # with ``max_ppl_increase``: the target, the fraction chosen and the held-out perplexity
+    # ratio measured per fraction tried (``lorc_fx.search.fraction.FractionSearch.to_json``)
+    fraction_search: dict | None = None
 
     @property
     def cache_fraction(self) -> float:
@@ -174,6 +177,7 @@ class Plan:
             "reachable": list(self.reachable),
             "options": asdict(self.options),
             "basis_note": self.basis_note,
+            "fraction_search": self.fraction_search,
             "layers": [l.summary() for l in self.layers],
             "model": self.model_name, "fingerprint": self.fingerprint,
         }

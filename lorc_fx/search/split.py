@@ -94,6 +94,12 @@ def held_out_loss(model: nn.Module, blocks: list[AttentionBlock], plan: Plan) ->
     return calibration_loss(model, blocks, plan, held_out_windows(model, plan.options))
 
 
+def _golden_steps(n: int) -> int:
+    """About how many of ``n`` grid points :func:`measured_split` measures (a progress total):
+    each step keeps ~1/1.618 of the interval and measures one new point."""
+    return 2 + max(0, math.ceil(math.log(max(n, 1) / 3) / math.log(1.618))) + 3
+
+
 def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[LayerInput],
                    options: PlanOptions, tokenizer=None) -> tuple[float, float]:
     """The key fraction on the rank grid with the least held-out loss, and that loss."""
@@ -111,8 +117,13 @@ def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[
         if i not in losses:
             plan = plan_layers(inputs, replace(options, key_fraction=grid[i]))
             losses[i] = calibration_loss(model, blocks, plan, windows)
+            bar.update()
         return losses[i]
 
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=_golden_steps(len(grid)), unit="plan", mininterval=1.0,
+               desc=f"key/value split ({options.rope})")
     lo, hi = 0, len(grid) - 1
     while hi - lo > 2:  # golden-section search on the integer grid
         a = hi - round((hi - lo) / 1.618)
@@ -124,6 +135,8 @@ def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[
         else:
             lo = a
     best = min(range(lo, hi + 1), key=loss)
+    bar.total = bar.n  # the estimate may be off by one
+    bar.close()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key_fraction": grid[best], "loss": losses[best],
                                 "losses": {f"{grid[i]:.4f}": v for i, v in sorted(losses.items())}},

@@ -68,8 +68,9 @@ def test_every_option_is_explained_with_its_default():
             assert action.help, f"lorc {name} {action.option_strings}: no help"
         assert "(default:" in sub.format_help() or name.startswith("fetch-"), name
     shown = {name: " ".join(sub.format_help().split()) for name, sub in commands.items()}
-    assert "(the paper) | uniform (default: progressive)" in shown["plan"]
-    assert "(the paper) | uniform (default: calibrated)" in shown["eval"]
+    for name in ("plan", "eval", "demo"):  # one default for every command that plans
+        assert "(the paper) | uniform (default: calibrated)" in shown[name], name
+        assert "| weight (the paper) (default: auto)" in shown[name], name
 
 
 def test_a_model_directory_without_tokenizer_says_so(model_dir, capsys):

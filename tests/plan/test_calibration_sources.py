@@ -50,7 +50,7 @@ def test_nucleus_pick_matches_a_full_sort(seed, vocab, temperature, top_p):
 def test_self_generated_windows_are_cached_and_do_not_depend_on_the_count(loaded, monkeypatch,
                                                                           caplog):
     model, tok, blocks, text = loaded
-    with caplog.at_level(logging.WARNING, logger=calibration.__name__):
+    with caplog.at_level(logging.INFO, logger=calibration.__name__):
         two = calibration.self_generated_windows(model, tok, 2, 16, seed=3)
     assert two.shape == (2, 16) and (two[:, 0] == tok.bos_token_id).all()
     # says once that it samples, and where it keeps the samples
@@ -107,3 +107,20 @@ def test_a_first_plan_samples_calibration_and_held_out_text_in_one_pass(loaded, 
     p = plan(model, 0.75, calibration=CalibrationOptions(tokens=256, window=32), blocks=blocks)
     assert p.options.basis == "attention" and p.options.key_fraction is not None
     assert batches == [8 + 8]  # calibration and held-out windows (another seed), side by side
+
+
+def test_a_first_plan_says_what_it_measures_where_it_keeps_it_and_how_long_it_took(loaded,
+                                                                                 caplog):
+    model, tok, blocks, text = loaded
+    with caplog.at_level(logging.WARNING):
+        plan(model, 0.75, blocks=blocks, rope="commute")
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (first,) = [m for m in said if "first plan" in m]
+    where = str(calibration.user_cache_dir() / "calibration")
+    assert "sampling calibration text" in first and where in first and "report.save" in first
+    (done,) = [m for m in said if "calibrated and planned in" in m]
+    assert where in done
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        plan(model, 0.5, blocks=blocks, rope="commute")  # calibrated before: nothing to say
+    assert not [r for r in caplog.records if "plan" in r.getMessage()]
