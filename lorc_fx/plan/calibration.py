@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -70,7 +71,13 @@ def evaluation_part(text: str) -> str:
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A hash of the model's config and weights (names, shapes and moments of every tensor)."""
+    """A hash of the model's config and weights (names, shapes and moments of every tensor).
+    Remembered per model until a parameter changes (its version counter moves): a first plan
+    asks for it a dozen times, and hashing 135M weights takes a second."""
+    versions = tuple(p._version for p in model.parameters())
+    known = _FINGERPRINTS.get(model)
+    if known is not None and known[0] == versions:
+        return known[1]
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     if config is not None:
@@ -80,7 +87,12 @@ def model_fingerprint(model: nn.Module) -> str:
             flat = p.detach().reshape(-1).to(torch.float64)
             stats = (flat.sum().item(), flat.square().sum().item(), flat[:8].tolist())
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{stats}".encode())
-    return h.hexdigest()[:16]
+    _FINGERPRINTS[model] = (versions, h.hexdigest()[:16])
+    return _FINGERPRINTS[model][1]
+
+
+_FINGERPRINTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], str]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def calibration_windows(tokenizer, options: CalibrationOptions,

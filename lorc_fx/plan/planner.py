@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, asdict
+from functools import cached_property
 
 import torch
 
@@ -39,6 +40,12 @@ class LayerInput:
     # precomputed spectra (data-aware bases); energies in one error unit across projections
     k_spectrum: Spectrum | None = None
     v_spectrum: Spectrum | None = None
+
+    @cached_property
+    def kappa(self) -> tuple[float, float]:
+        """Condition numbers of the K and V weights: an SVD each, once per input (the split
+        search plans the same inputs many times)."""
+        return condition_number(self.k_weight), condition_number(self.v_weight)
 
 
 def _checked_weight(block: AttentionBlock, role: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -246,8 +253,7 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
     if options.rank_multiple > widest:
         raise ValueError(f"rank_multiple={options.rank_multiple} is wider than every key/value "
                          f"projection of this model ({widest}); choose 1..{widest}")
-    kappa_k = [condition_number(l.k_weight) for l in layers]
-    kappa_v = [condition_number(l.v_weight) for l in layers]
+    kappa_k, kappa_v = zip(*(l.kappa for l in layers))
     log_cum = cumulative_log_kappa(kappa_k, kappa_v)
     skipped = [
         i < options.keep_first
