@@ -26,10 +26,13 @@ from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.calibration import (CalibrationUnavailable, cache_path, calibration_tokenizer,
                                       sample_self_text, self_text_request, usable_calibration)
 from lorc_fx.data.models import user_cache_dir
-from lorc_fx.plan.options import ROPE_MODES, SELF_TEXT, CalibrationOptions, PlanOptions
-from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
+from lorc_fx.plan.options import (LATENT_BITS, ROPE_MODES, SELF_TEXT, CalibrationOptions,
+                                  PlanOptions)
+from lorc_fx.plan.planner import (LayerInput, Plan, layer_inputs, plain_quantized_plan,
+                                  plan_layers)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.report import CompressionReport
+from lorc_fx.search.bits import Candidate, best_candidate, candidates
 from lorc_fx.search.fraction import bisection_steps, check_target, smallest_fraction
 from lorc_fx.search.split import (calibration_loss, held_out_calibration, held_out_loss,
                                   held_out_windows, measured_split)
@@ -78,10 +81,10 @@ def _sample_ahead(model: nn.Module, blocks: list[AttentionBlock], options: PlanO
             pass  # resolve() falls back and says why
 
 
-def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-               measure: bool) -> tuple[Plan, float | None]:
-    """A plan for one RoPE mode and, where calibration allows and ``measure`` asks (or the
-    split search measures anyway), its held-out calibration loss."""
+def _plan_inputs(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions
+                 ) -> tuple[PlanOptions, list[LayerInput], str]:
+    """The options with the basis resolved for one RoPE mode, the layers' inputs (bases'
+    metrics attached) and the basis note."""
     basis, metrics, note = resolve(options.basis, model, blocks, options)
     options = replace(options, basis=basis)
     inputs = layer_inputs(named_params(model), blocks)
@@ -100,13 +103,26 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
                     and block_of[layer.layer].k_path == "norm":
                 layer.compress_k, layer.keys_after_rope = True, True
                 layer.note = "keys behind a norm: basis of the keys the cache receives"
+    return options, inputs, note
+
+
+def _plan_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                    inputs: list[LayerInput], note: str, plain: bool, measure: bool
+                    ) -> tuple[Plan, float | None]:
+    """The plan of one candidate (``options`` say its RoPE mode and latent bits; ``plain``:
+    plain KV quantization) and, where ``measure`` asks (or the split search measures anyway),
+    its held-out calibration loss."""
+    calibrated = options.basis in CALIBRATED_BASES
+    if plain:
+        result = plain_quantized_plan(inputs, options)
+        return result, held_out_loss(model, blocks, result) if measure else None
     loss = None
-    if basis in CALIBRATED_BASES and options.schedule == "calibrated" and options.key_fraction is None:
+    if calibrated and options.schedule == "calibrated" and options.key_fraction is None:
         key_fraction, loss = measured_split(model, blocks, inputs, options)
         options = replace(options, key_fraction=key_fraction)
     result = plan_layers(inputs, options)
     result.basis_note = note
-    if basis in CALIBRATED_BASES and loss is None and measure:
+    if loss is None and measure:
         loss = held_out_loss(model, blocks, result)
     return result, loss
 
@@ -116,19 +132,47 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     skip_threshold: float | None = None, keep_first: int = 0,
                     rank_multiple: int = 8, key_fraction: float | None = None,
                     calibration: CalibrationOptions | None = None,
-                    objective: str = "quality", latent_bits: int = 16,
-                    latent_group: int = 32) -> PlanOptions:
+                    objective: str = "quality", latent_bits: int | str | None = None,
+                    latent_group: int = 32, bits_per_value: float | None = None) -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
-    mode :func:`rope_modes` tries."""
+    mode :func:`rope_modes` tries, ``latent_bits`` "auto" (or ``None`` with
+    ``bits_per_value``) as 16. ``cache_fraction`` (default 0.6) and ``bits_per_value`` are
+    two ways to say the budget: give one."""
     if rope not in ("auto", *ROPE_MODES):
         raise ValueError(f"unknown rope mode {rope!r}; choose from {['auto', *ROPE_MODES]}")
-    return PlanOptions(cache_fraction=cache_fraction, schedule=schedule,
+    if cache_fraction is not None and bits_per_value is not None:
+        raise ValueError(f"give cache_fraction or bits_per_value, not both (got cache_fraction="
+                         f"{cache_fraction!r}, bits_per_value={bits_per_value!r}): both say the "
+                         "cache's budget")
+    if latent_bits is not None and latent_bits != "auto" and latent_bits not in LATENT_BITS:
+        raise ValueError(f"latent_bits must be one of {[*LATENT_BITS, 'auto']}, got {latent_bits!r}")
+    return PlanOptions(cache_fraction=0.6 if cache_fraction is None else cache_fraction,
+                       bits_per_value=bits_per_value, schedule=schedule,
                        rope="commute" if rope == "auto" else rope, basis=basis,
                        skip_threshold=skip_threshold, keep_first=keep_first,
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
                        calibration=calibration or CalibrationOptions(), objective=objective,
-                       latent_bits=latent_bits, latent_group=latent_group)
+                       latent_bits=latent_bits if isinstance(latent_bits, int) else 16,
+                       latent_group=latent_group)
+
+
+def bit_choices(latent_bits: int | str | None, bits_per_value: float | None) -> tuple[int, ...]:
+    """The latent bit widths to plan: all (``LATENT_BITS``) for ``"auto"``, and by default
+    where the budget is given in bits per value; else the one asked (default 16)."""
+    if latent_bits == "auto" or (latent_bits is None and bits_per_value is not None):
+        return LATENT_BITS
+    return (16 if latent_bits is None else latent_bits,)
+
+
+def _check_budget(cache_fraction: float | None, bits_per_value: float | None,
+                  max_ppl_increase: float | None) -> None:
+    """One way to say the budget: ``cache_fraction``, ``bits_per_value`` or
+    ``max_ppl_increase`` (a ``ValueError`` naming them where two are given)."""
+    check_target(max_ppl_increase, cache_fraction)
+    if max_ppl_increase is not None and bits_per_value is not None:
+        raise ValueError("give bits_per_value or max_ppl_increase, not both: the target "
+                         "chooses the budget")
 
 
 def _require_attention(model: nn.Module, blocks: list[AttentionBlock]) -> None:
@@ -147,17 +191,18 @@ class NoAttentionFound(ValueError):
 
 
 def plan(model: nn.Module, cache_fraction: float | None = None, *,
-         max_ppl_increase: float | None = None, schedule: str = "calibrated",
+         bits_per_value: float | None = None, max_ppl_increase: float | None = None,
+         schedule: str = "calibrated",
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
          calibration: CalibrationOptions | None = None, objective: str = "quality",
-         latent_bits: int = 16, latent_group: int = 32,
-         blocks: list[AttentionBlock] | None = None) -> Plan:
+         latent_bits: int | str | None = None, latent_group: int = 32,
+         progress: bool = True, blocks: list[AttentionBlock] | None = None) -> Plan:
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V
-    cache (default 0.6), or, with ``max_ppl_increase=t``, the smallest fraction on a grid of
-    0.05 whose perplexity on held-out calibration windows is at most ``1 + t`` times the
-    uncompressed model's (``lorc_fx.search.fraction``; the plan's ``fraction_search`` says
-    what was measured).
+    cache (default 0.6), or ``bits_per_value``, or, with ``max_ppl_increase=t``, the smallest
+    fraction on a grid of 0.05 whose perplexity on held-out calibration windows is at most
+    ``1 + t`` times the uncompressed model's (``lorc_fx.search.fraction``; the plan's
+    ``fraction_search`` says what was measured).
 
     ``blocks`` defaults to :func:`lorc_fx.analyze` of the model. ``basis="auto"`` picks the
     best basis calibration allows (``lorc_fx.plan.bases.resolve``); ``calibration`` says which
@@ -175,28 +220,40 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     ``objective="speed"`` plans ``commute`` only. The plan's options record the basis and
     mode used. A model without attention
     the analysis can compress raises :class:`NoAttentionFound`.
+
+    The budget is the cache's bytes, everything counted (latent codes, their scales and zero
+    points, the RoPE angle log): ``cache_fraction`` of the uncompressed cache in the model's
+    dtype (default 0.6), or ``bits_per_value`` per cached K/V value with every stored float
+    at 16 bits (16: an uncompressed 16-bit cache), not both. ``latent_bits`` stores latents
+    as 8- or 4-bit codes (``latent_group`` tokens per scale); ``"auto"`` (the default with
+    ``bits_per_value``) measures every width with the rank planner filling the budget, and
+    plain KV quantization beside them, and keeps the least held-out loss
+    (``lorc_fx.search.bits``; ``progress``: a progress bar). ``Plan.candidates`` lists what
+    was measured.
     """
-    check_target(max_ppl_increase, cache_fraction)
-    options = checked_options(0.6 if cache_fraction is None else cache_fraction,
-                              schedule=schedule, rope=rope, basis=basis,
+    _check_budget(cache_fraction, bits_per_value, max_ppl_increase)
+    options = checked_options(cache_fraction, schedule=schedule, rope=rope, basis=basis,
                               skip_threshold=skip_threshold, keep_first=keep_first,
                               rank_multiple=rank_multiple, key_fraction=key_fraction,
                               calibration=calibration, objective=objective,
-                              latent_bits=latent_bits, latent_group=latent_group)
+                              latent_bits=latent_bits, latent_group=latent_group,
+                              bits_per_value=bits_per_value)
+    widths = bit_choices(latent_bits, bits_per_value)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)
     modes = rope_modes(rope, model, blocks, objective)
-    measure = len(modes) > 1 or max_ppl_increase is not None
+    measure = len(modes) > 1 or len(widths) > 1 or max_ppl_increase is not None
     first = None
-    if basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None:
+    if basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None \
+            or len(widths) > 1:
         options = replace(options, calibration=usable_calibration(model, options.calibration))
         first = _announce_first_calibration(model, blocks, options, modes)
         _sample_ahead(model, blocks, options, held_out=measure or (
             schedule == "calibrated" and key_fraction is None))
     start = time.perf_counter()
     if max_ppl_increase is None:
-        best, _ = _best_plan(model, blocks, options, modes, measure)
+        best, _ = _best_plan(model, blocks, options, modes, measure, widths, progress)
     else:
         best = _plan_within(model, blocks, options, modes, max_ppl_increase)
     if first is not None:
@@ -224,23 +281,27 @@ def _announce_first_calibration(model: nn.Module, blocks: list[AttentionBlock],
 
 
 def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-               modes: list[str], measure: bool) -> tuple[Plan, float | None]:
-    """The plan of the RoPE mode in ``modes`` with the least held-out calibration loss
-    (measured where ``measure`` asks, else the first mode that plans), and that loss."""
-    planned, refused = [], []
-    for mode in modes:
-        try:
-            result, loss = _plan_mode(model, blocks, replace(options, rope=mode), measure)
-        except UnreachableFraction as err:
-            refused.append(err)
-            continue
-        if loss is None:  # nothing to compare on: the first mode that plans
-            return result, None
-        planned.append((loss, result))
-    if not planned:
-        raise refused[0]
-    loss, best = min(planned, key=lambda p: p[0])
-    return best, loss
+               modes: list[str], measure: bool, widths: tuple[int, ...] | None = None,
+               progress: bool = False) -> tuple[Plan, float | None]:
+    """The plan of the candidate with the least held-out calibration loss (measured where
+    ``measure`` asks, else the first candidate that plans), and that loss. Candidates: every
+    RoPE mode in ``modes`` at every latent bit width in ``widths`` (default: the options'),
+    and plain KV quantization where the width is searched (``lorc_fx.search.bits``)."""
+    widths = widths or (options.latent_bits,)
+    listed = candidates(modes, widths, plain=len(widths) > 1)
+    prepared: dict[str, tuple[PlanOptions, list[LayerInput], str]] = {}
+
+    def build(candidate: Candidate) -> tuple[Plan, float | None]:
+        if candidate.rope not in prepared:
+            prepared[candidate.rope] = _plan_inputs(model, blocks,
+                                                    replace(options, rope=candidate.rope))
+        resolved, inputs, note = prepared[candidate.rope]
+        # RoPE modes are compared where the basis is calibrated; bit widths always
+        measured = measure and (resolved.basis in CALIBRATED_BASES or len(widths) > 1)
+        return _plan_candidate(model, blocks, replace(resolved, latent_bits=candidate.latent_bits),
+                               inputs, note, candidate.plain, measured)
+
+    return best_candidate(build, listed, progress)
 
 
 def _plan_within(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
@@ -314,10 +375,11 @@ def save_plan(source: nn.Module | Plan | CompressionReport, path: str | os.PathL
 
 def compress(model: nn.Module, cache_fraction: float | None = None, *,
              plan: str | os.PathLike | Plan | None = None,
-             blocks: list[AttentionBlock] | None = None, **plan_options) -> CompressionReport:
+             blocks: list[AttentionBlock] | None = None, progress: bool = True,
+             **plan_options) -> CompressionReport:
     """Plan LoRC ranks for ``model`` (keeping ``cache_fraction`` of its cache, default 0.6, or
-    the least fraction within ``max_ppl_increase``; options as for :func:`plan`) and make its
-    ``generate`` use a latent KV cache.
+    ``bits_per_value``, or the least fraction within ``max_ppl_increase``; options as for
+    :func:`plan`) and make its ``generate`` use a latent KV cache.
 
     ``plan`` installs a plan instead: a path :func:`save_plan` wrote (or a :class:`Plan`);
     nothing is calibrated or planned, only analysed, and a plan for another model, or one
@@ -333,9 +395,9 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
         raise ValueError(f"compress(plan=...) installs a saved plan as it is; "
                          f"{', '.join(given)} cannot change it (plan again without plan=)")
     if plan is None:  # bad options fail before any analysis
-        target = plan_options.get("max_ppl_increase")
-        check_target(target, cache_fraction)
-        checked_options(0.6 if cache_fraction is None else cache_fraction,
+        _check_budget(cache_fraction, plan_options.get("bits_per_value"),
+                      plan_options.get("max_ppl_increase"))
+        checked_options(cache_fraction,
                         **{k: v for k, v in plan_options.items() if k != "max_ppl_increase"})
     dtype_bytes = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
     try:
@@ -348,7 +410,7 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
         return CompressionReport(None, [(b.layer, b.reason) for b in blocks or []], dtype_bytes,
                                  left_alone=str(why))
     if plan is None:
-        planned = _plan(model, cache_fraction, blocks=blocks, **plan_options)
+        planned = _plan(model, cache_fraction, blocks=blocks, progress=progress, **plan_options)
     elif isinstance(plan, Plan):
         plan_file.check_fits(plan, model, blocks)
         planned = plan

@@ -20,14 +20,21 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                       choice: bool = True) -> None:
     if fraction:
-        p.add_argument("--cache-fraction", type=float, default=None,
-                       help="kept K+V cache bytes / full K+V cache bytes, in (0, 1]; "
-                            "None: 0.6, or what --max-ppl-increase chooses")
-        p.add_argument("--max-ppl-increase", type=float, default=None,
-                       help="instead of --cache-fraction: the smallest fraction (steps of "
-                            "0.05) whose perplexity on held-out calibration text is at most "
-                            "1 + this times the full cache's, e.g. 0.02 (a plan per fraction "
-                            "tried)")
+        budget = p.add_mutually_exclusive_group()
+        budget.add_argument("--cache-fraction", type=float, default=None,
+                            help="kept K+V cache bytes / full K+V cache bytes in the model's "
+                                 "dtype, in (0, 1]; None: 0.6, or what --max-ppl-increase or "
+                                 "--bits-per-value says")
+        budget.add_argument("--bits-per-value", type=float, default=None,
+                            help="instead of --cache-fraction: the budget in bits per cached "
+                                 "K/V value, in [0.5, 16], every stored float counted at 16 "
+                                 "bits (16: an uncompressed 16-bit cache); latent bit widths "
+                                 "are then chosen by measurement unless --latent-bits says one")
+        budget.add_argument("--max-ppl-increase", type=float, default=None,
+                            help="instead of --cache-fraction: the smallest fraction (steps of "
+                                 "0.05) whose perplexity on held-out calibration text is at "
+                                 "most 1 + this times the full cache's, e.g. 0.02 (a plan per "
+                                 "fraction tried)")
     if choice:
         p.add_argument("--schedule", default="calibrated",
                        help="how ranks are spread over layers: calibrated (key/value split "
@@ -52,9 +59,12 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                    help="every kept rank is a multiple of this (or the full width)")
     p.add_argument("--key-fraction", type=float, default=None,
                    help="calibrated schedule: keys' kept ratio in [0, 1]; None: measured")
-    p.add_argument("--latent-bits", type=int, default=16,
+    p.add_argument("--latent-bits", type=_latent_bits, default=None,
                    help="store latents as 8- or 4-bit codes (per channel over groups of "
-                        "--latent-group tokens; eager dynamic cache only); 16: not quantized")
+                        "--latent-group tokens; eager dynamic cache only); 16: not quantized "
+                        "(the default with --cache-fraction); auto: measure 16, 8 and 4 and "
+                        "plain KV quantization at the budget (the default with "
+                        "--bits-per-value)")
     p.add_argument("--latent-group", type=int, default=32,
                    help="tokens per quantization group of a latent channel")
     default = CalibrationOptions()
@@ -69,6 +79,16 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                    help="tokens per calibration window (per sampled sequence for self)")
     p.add_argument("--calibration-seed", type=int, default=default.seed,
                    help="seed of the calibration windows drawn (or sampled)")
+
+
+def _latent_bits(text: str) -> int | str:
+    """``--latent-bits``: an integer or ``auto`` (the range is checked with the options)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 16, 8, 4 or auto, got {text!r}") from None
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
@@ -87,10 +107,12 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
     if hasattr(args, "schedule"):
         kwargs.update(schedule=args.schedule, basis=args.basis)
     fraction = getattr(args, "cache_fraction", None)
-    checked_options(0.6 if fraction is None else fraction, **kwargs)
+    bits = getattr(args, "bits_per_value", None)
+    checked_options(fraction, bits_per_value=bits, **kwargs)
     if hasattr(args, "cache_fraction"):
         check_target(args.max_ppl_increase, fraction)
-        kwargs.update(cache_fraction=fraction, max_ppl_increase=args.max_ppl_increase)
+        kwargs.update(cache_fraction=fraction, bits_per_value=bits,
+                      max_ppl_increase=args.max_ppl_increase)
     return kwargs
 
 
@@ -174,6 +196,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement,
         "generation": result.generation, "text": args.text, "tokens": args.tokens,
         "window": args.window, "cache_fraction": report.plan.cache_fraction,
+        "bits_per_value": result.bits_per_value_measured,
+        "bits_per_value_plan": report.plan.bits_per_value,
         "cache_bytes_per_token_full": full_bytes,
         "cache_bytes_per_token_compressed": kept_bytes,
         "cache_bytes_per_token_measured": result.cache_bytes_per_token_measured,
@@ -185,7 +209,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     g = result.generation
     print(f"{args.text}: perplexity {result.ppl_full:.3f} full, {result.ppl_compressed:.3f} "
           f"compressed (x{result.ppl_ratio:.4f}) at cache fraction "
-          f"{report.plan.cache_fraction:.3f} ({kept_bytes}/{full_bytes} bytes per token)")
+          f"{report.plan.cache_fraction:.3f} ({kept_bytes:g}/{full_bytes} bytes per token; "
+          f"{result.bits_per_value_measured:.3f} bits per value measured, floats at 16 bits)")
     generated = ("no greedy generation measured (--prompts 0)" if not result.generation["samples"]
                  else f"greedy generation: {g['token_agreement']:.1%} of tokens agree, "
                       f"{g['exact_match']:.0%} of continuations identical, first difference "

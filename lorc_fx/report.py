@@ -22,9 +22,13 @@ def plan_table(plan: Plan) -> str:
             f"{'yes' if l.skipped else 'no'}{'  ' + l.note if l.note else ''}")
     o = plan.options
     lo, hi = plan.reachable
+    asked = (f"requested {o.bits_per_value:g} bits per value" if o.bits_per_value is not None
+             else f"requested {o.cache_fraction:.4f}")
+    reach = ("plain KV quantization" if plan.kind == "plain"
+             else f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]")
     lines.append(
-        f"cache fraction: {plan.cache_fraction:.4f} (requested {o.cache_fraction:.4f}; "
-        f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, rope={o.rope})")
+        f"cache fraction: {plan.cache_fraction:.4f}, {plan.bits_per_value:.3f} bits per value "
+        f"({asked}; {reach}; basis={o.basis}, rope={o.rope})")
     lines.append(f"basis: {basis_description(plan)}")
     if plan.fraction_search:
         lines.append(f"fraction: {fraction_description(plan.fraction_search)}")
@@ -33,9 +37,17 @@ def plan_table(plan: Plan) -> str:
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
             "every decode step, slower than the full cache at long context; "
             "objective='speed' (--objective speed) caches keys after RoPE instead")
-    if o.latent_bits != 16:
+    if plan.kind == "plain":
+        lines.append(f"plain KV quantization: keys (after RoPE) and values stored as they are, "
+                     f"as {o.latent_bits}-bit codes per channel over groups of {o.latent_group} "
+                     "tokens (identity bases, full width)")
+    elif o.latent_bits != 16:
         lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
                      f"{o.latent_group} tokens (the last partial group in full precision)")
+    if plan.candidates:
+        lines.append("candidates measured (held-out calibration loss, best first):")
+        lines += [f"  {c['loss']:.4f}  {c['bits_per_value']:6.3f} bits/value  {c['candidate']}"
+                  for c in plan.candidates]
     return "\n".join(lines)
 
 
@@ -122,7 +134,8 @@ class CompressionReport:
         else:
             full, kept = self.cache_bytes_per_token()
             lines = [plan_table(self.plan),
-                     f"cache bytes per token: {full} full, {kept} compressed ({kept / full:.3f})"]
+                     f"cache bytes per token: {full} full, {kept:g} compressed "
+                     f"({kept / full:.3f})"]
         lines += [f"layer {l} left uncompressed: {r}" for l, r in self.unsupported]
         return "\n".join(lines)
 

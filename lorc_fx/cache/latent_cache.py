@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer,
                                      StaticLayer, get_layer_types_and_kwargs)
 
+from lorc_fx.plan.options import STORED_FLOAT_BITS
 from lorc_fx.plan.planner import Plan
 
 from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer, QuantizedLatentDynamicLayer
@@ -85,11 +86,48 @@ class LatentCache(Cache):
             layers.append(layer)
         return cls(layers, rotary)
 
-    def cache_bytes(self) -> int:
-        """Bytes held by the cache's tensors (keys, values, RoPE angles; quantized latents'
-        codes, scales, zero points and residual windows), measured."""
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds: keys, values, RoPE angles; quantized latents' codes,
+        scales, zero points and residual windows."""
         tensors = [t for layer in self.layers
                    for t in (layer.tensors() if isinstance(layer, QuantizedLatentDynamicLayer)
                              else (getattr(layer, "keys", None), getattr(layer, "values", None)))]
         tensors += self.rotary.tensors() if self.rotary is not None else []
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the cache's tensors, measured."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def cache_bits(self, float_bits: int = STORED_FLOAT_BITS) -> int:
+        """Bits held by the cache's tensors, measured, every floating tensor counted at
+        ``float_bits`` bits per element (16: its size in a 16-bit deployment, what
+        ``Plan.bits_per_value`` counts) and integer ones (packed codes) as they are."""
+        return sum(t.numel() * (float_bits if t.is_floating_point() else 8 * t.element_size())
+                   for t in self._tensors())
+
+    def cached_values(self) -> int:
+        """Full K/V values the cache stands for: per layer, batch × tokens × the K and V
+        widths (a latent side's basis width, a raw side's heads × head dim); a static
+        layer counts its whole allocation, as ``cache_bytes`` does."""
+        total = 0
+        for layer in self.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor) \
+                    or keys.dim() != 4:
+                continue
+            bases = getattr(layer, "bases", None)
+            if bases is None:
+                total += keys.numel() + values.numel()
+                continue
+            tokens = layer.max_cache_len if isinstance(layer, StaticLayer) else layer.get_seq_length()
+            for basis, stored in ((bases.k_basis, keys), (bases.v_basis, values)):
+                width = basis.shape[1] if basis is not None else stored.shape[1] * stored.shape[3]
+                total += stored.shape[0] * tokens * width
+        return total
+
+    def bits_per_value(self) -> float:
+        """Bits per cached K/V value, measured from the tensors (``cache_bits`` ÷
+        ``cached_values``); 0.0 for an empty cache."""
+        values = self.cached_values()
+        return self.cache_bits() / values if values else 0.0

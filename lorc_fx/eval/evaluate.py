@@ -6,7 +6,8 @@
 - next-token agreement: how often the compressed model's argmax equals the full model's;
 - greedy generation from fixed prompts, uncompressed vs compressed: the share of generated
   tokens that agree position by position, and how many continuations agree entirely;
-- cache bytes per token, from the plan and measured on the latent cache's tensors.
+- cache bytes per token and bits per cached K/V value, from the plan and measured on the
+  latent cache's tensors.
 
 Windows come only from the evaluation part of a text (``calibration.evaluation_part``), so
 evaluation never reads a paragraph calibration read. They are ``window`` tokens long, evenly
@@ -54,6 +55,7 @@ class EvalResult:
     top1_agreement: float  # next-token argmax, compressed vs full, over the windows
     generation: dict
     cache_bytes_per_token_measured: float
+    bits_per_value_measured: float = 0.0  # from the latent cache's tensors, floats at 16 bits
     seconds: dict = field(default_factory=dict)
 
     @property
@@ -93,6 +95,7 @@ class WindowScores:
     ppl: float
     predictions: torch.Tensor  # (windows, window - 1) argmax next tokens
     cache_bytes_per_token: float  # measured on the latent cache; 0 for the full cache
+    bits_per_value: float = 0.0  # measured on the latent cache (LatentCache.bits_per_value)
 
 
 @torch.no_grad()
@@ -102,12 +105,15 @@ def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
     forward or (``compressed``) a fresh latent cache per batch."""
     device = next(model.parameters()).device
     total, count, cache_bytes, predictions = 0.0, 0, 0, []
+    cache_bits = cached_values = 0
     for batch in windows.split(batch_size):
         batch = batch.to(device)
         if compressed:
             cache = latent_cache(model)
             logits = model(batch, past_key_values=cache, use_cache=True).logits
             cache_bytes += cache.cache_bytes()
+            cache_bits += cache.cache_bits()
+            cached_values += cache.cached_values()
         else:
             logits = model(batch, use_cache=False).logits
         logits = logits[:, :-1].float()
@@ -116,7 +122,8 @@ def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
         count += batch[:, 1:].numel()
         predictions.append(logits.argmax(-1).cpu())
     return WindowScores(math.exp(total / count), torch.cat(predictions),
-                        cache_bytes / windows.numel() if compressed else 0.0)
+                        cache_bytes / windows.numel() if compressed else 0.0,
+                        cache_bits / cached_values if cached_values else 0.0)
 
 
 @torch.no_grad()
@@ -189,4 +196,4 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
         "samples": [{"prompt": tokenizer.decode(p[0]), "full": tokenizer.decode(f),
                      "compressed": tokenizer.decode(c)} for p, f, c in zip(prompts, full, comp)]}
     return EvalResult(full_scores.ppl, scores.ppl, top1, generation,
-                      scores.cache_bytes_per_token, seconds)
+                      scores.cache_bytes_per_token, scores.bits_per_value, seconds)

@@ -16,6 +16,8 @@ BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
 # step, several times slower at long context: bench/results/long_context-cpu.md)
 OBJECTIVES = ("quality", "speed")
 LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized)
+MIN_BITS_PER_VALUE = 0.5  # below it no plan of 4-bit latents keeps a usable rank
+STORED_FLOAT_BITS = 16  # what a stored float counts in bits per value (dtype-independent)
 # the calibration text sampled from the model itself (``calibration.self_generated_windows``)
 SELF_TEXT = "self"
 
@@ -61,11 +63,20 @@ class PlanOptions:
     # (one scale and zero point per channel and group, in the model's dtype); 16: not quantized
     latent_bits: int = 16
     latent_group: int = 32
+    # the budget in bits per cached K/V value, every stored float (unquantized latents, raw
+    # sides, scales, zero points, the RoPE angle log) counted at 16 bits: dtype-independent,
+    # 16 = an uncompressed 16-bit cache. None: the budget is ``cache_fraction`` (bytes against
+    # the uncompressed cache in the model's own dtype)
+    bits_per_value: float | None = None
 
     def __post_init__(self):
         f = self.cache_fraction
         if not _is_number(f) or not 0 < f <= 1:
             raise ValueError(f"cache_fraction must be a number in (0, 1], got {f!r}")
+        b = self.bits_per_value
+        if b is not None and (not _is_number(b) or not MIN_BITS_PER_VALUE <= b <= 16):
+            raise ValueError(f"bits_per_value must be a number in [{MIN_BITS_PER_VALUE}, 16] "
+                             f"(16: an uncompressed 16-bit cache), got {b!r}")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose from {sorted(SCHEDULE_NAMES)}")
         if self.basis not in BASIS_NAMES:
@@ -97,9 +108,27 @@ class PlanOptions:
         """Bytes per cached latent value, everything counted, for a model whose dtype has
         ``dtype_bytes`` bytes: the code, plus a scale and a zero point (model dtype) shared by
         ``latent_group`` tokens of one channel; ``dtype_bytes`` unquantized."""
+        return self.latent_bits_per_value(8 * dtype_bytes) / 8
+
+    def latent_bits_per_value(self, float_bits: int) -> float:
+        """Bits per cached latent value where a stored float has ``float_bits`` bits."""
         if self.latent_bits == 16:
-            return float(dtype_bytes)
-        return self.latent_bits / 8 + 2 * dtype_bytes / self.latent_group
+            return float(float_bits)
+        return self.latent_bits + 2 * float_bits / self.latent_group
+
+    def budget(self, dtype_bits: int) -> tuple[float, int]:
+        """(bits per full K/V value the cache may hold, bits a stored float counts): from
+        ``bits_per_value`` (floats at 16 bits), else ``cache_fraction`` of the model's dtype."""
+        if self.bits_per_value is not None:
+            return float(self.bits_per_value), STORED_FLOAT_BITS
+        return self.cache_fraction * dtype_bits, dtype_bits
+
+    @property
+    def unchanged(self) -> bool:
+        """The budget of the whole cache (every latent dim kept, the identity plan)."""
+        if self.bits_per_value is not None:
+            return self.bits_per_value >= STORED_FLOAT_BITS
+        return self.cache_fraction >= 1.0
 
 
 def _is_number(x) -> bool:

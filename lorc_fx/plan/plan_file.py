@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 PLAN_FILE = "lorc_plan.safetensors"  # the file name used when a path names a directory
 FORMAT = "lorc_fx.plan"  # the metadata key, and the JSON's "format"
-VERSION = 1  # bump when what the file holds changes
+VERSION = 2  # bump when what the file holds changes (2: bits_per_value, dtype_bits, kind)
 _SAMPLES = 1024  # weight values hashed per tensor
 # config keys that loading or saving changes (``save_pretrained`` fills in ``architectures``
 # and ``dtype``); the parameters' names and shapes say which head the model has
@@ -110,6 +110,7 @@ def _plan_json(plan: Plan) -> dict:
             "options": asdict(plan.options), "reachable": list(plan.reachable),
             "rotary_log": plan.rotary_log, "basis_note": plan.basis_note,
             "fraction_search": plan.fraction_search,
+            "dtype_bits": plan.dtype_bits, "kind": plan.kind, "candidates": plan.candidates,
             "layers": [_layer_json(l) for l in plan.layers]}
 
 
@@ -202,7 +203,9 @@ def load_plan(path: str | os.PathLike) -> Plan:
             plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]),
                         data["rotary_log"], basis_note=data.get("basis_note", ""),
                         fraction_search=data.get("fraction_search"),
-                        fingerprint=data["fingerprint"], model_name=data.get("model"))
+                        fingerprint=data["fingerprint"], model_name=data.get("model"),
+                        dtype_bits=data.get("dtype_bits", 16), kind=data.get("kind", "low_rank"),
+                        candidates=data.get("candidates", []))
     except PlanFileError:
         raise
     except Exception as err:  # safetensors' own error, bad JSON, missing or mistyped fields

@@ -7,7 +7,7 @@ from a model.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -16,8 +16,8 @@ from lorc_fx.analysis.records import AttentionBlock, RopeLayout
 
 from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
 from .metrics import relative
-from .options import PlanOptions
-from .schedules import SCHEDULES, ScheduleInput
+from .options import STORED_FLOAT_BITS, PlanOptions
+from .schedules import SCHEDULES, ScheduleInput, UnreachableFraction
 from .spectra import Spectrum, condition_number, real_spectrum, rope_commuting_spectrum
 
 
@@ -136,11 +136,24 @@ class Plan:
     # with ``max_ppl_increase``: the target, the fraction chosen and the held-out perplexity
     # ratio measured per fraction tried (``lorc_fx.search.fraction.FractionSearch.to_json``)
     fraction_search: dict | None = None
+    dtype_bits: int = 16  # bits of the model's floats: what the cache stores unquantized
+    # "low_rank", or "plain": every layer full width with identity bases, i.e. plain KV-cache
+    # quantization (``plain_quantized_plan``)
+    kind: str = "low_rank"
+    # the candidates the bit-width search measured (``lorc_fx.search.bits``), best first
+    candidates: list[dict] = field(default_factory=list)
 
     @property
     def cache_fraction(self) -> float:
-        full, kept = self.cache_elements_per_token()
-        return kept / full
+        """Cache bytes kept ÷ the uncompressed cache's bytes, in the model's dtype."""
+        full, _ = self.cache_elements_per_token()
+        return self.bits_per_token(self.dtype_bits) / (full * self.dtype_bits)
+
+    @property
+    def bits_per_value(self) -> float:
+        """Bits per cached K/V value, every stored float at 16 bits (16: uncompressed)."""
+        full, _ = self.cache_elements_per_token()
+        return self.bits_per_token(STORED_FLOAT_BITS) / full
 
     def cache_elements_per_token(self) -> tuple[int, int]:
         """(full, compressed) elements the cache holds per token, all layers: K+V, or
@@ -157,37 +170,65 @@ class Plan:
         return sum((l.k_rank if l.k_compressible else 0) + (l.v_rank if l.v_compressible else 0)
                    for l in self.layers if not l.skipped)
 
+    def bits_per_token(self, float_bits: int) -> float:
+        """Bits the cache holds per token per sequence where a stored float has
+        ``float_bits`` bits: latent codes with their scales and zero points, unquantized
+        latents, raw sides and the RoPE angle log. Exact for a sequence of whole groups of
+        ``latent_group`` tokens (the last, partial group sits in the full-precision window)."""
+        _, kept = self.cache_elements_per_token()
+        quantized = self.quantized_elements_per_token()
+        return ((kept - quantized) * float_bits
+                + quantized * self.options.latent_bits_per_value(float_bits))
+
     def cache_bytes_per_token(self, dtype_bytes: int) -> tuple[int, float]:
         """(full, compressed) cache bytes per token per sequence for a model whose dtype has
-        ``dtype_bytes`` bytes, everything counted: quantized latents with their scales and
-        zero points (``PlanOptions.latent_bytes_per_value``). Exact for a sequence that is a
-        whole number of ``latent_group`` tokens; otherwise the last, partial group is held in
-        full precision (the residual window). The compressed figure is an int when latents
-        are not quantized."""
+        ``dtype_bytes`` bytes, everything counted (``bits_per_token``). The compressed figure
+        is an int when latents are not quantized."""
         full, kept = self.cache_elements_per_token()
-        quantized = self.quantized_elements_per_token()
-        if not quantized:
+        if not self.quantized_elements_per_token():
             return full * dtype_bytes, kept * dtype_bytes
-        per_value = self.options.latent_bytes_per_value(dtype_bytes)
-        return full * dtype_bytes, (kept - quantized) * dtype_bytes + quantized * per_value
+        return full * dtype_bytes, self.bits_per_token(8 * dtype_bytes) / 8
 
     @property
     def latent_budget(self) -> float:
-        """The share of the full K/V width the requested fraction leaves to latents."""
+        """The share of the full K/V width the budget leaves to the schedule (latents and the
+        sides kept full)."""
         full, _ = self.cache_elements_per_token()
-        return latent_fraction(self.options.cache_fraction, self.rotary_log, full)
+        fixed = sum((l.k_full if l.skipped or not l.k_compressible else 0)
+                    + (l.v_full if l.skipped or not l.v_compressible else 0) for l in self.layers)
+        return element_budget(self.options, full, fixed, self.rotary_log, self.dtype_bits)
 
     def to_json(self) -> dict:
         return {
             "cache_fraction": self.cache_fraction,
-            "requested_fraction": self.options.cache_fraction,
+            "bits_per_value": self.bits_per_value,
+            "requested_fraction": (None if self.options.bits_per_value is not None
+                                   else self.options.cache_fraction),
+            "requested_bits_per_value": self.options.bits_per_value,
             "reachable": list(self.reachable),
+            "kind": self.kind,
             "options": asdict(self.options),
             "basis_note": self.basis_note,
             "fraction_search": self.fraction_search,
+            "candidates": self.candidates,
             "layers": [l.summary() for l in self.layers],
             "model": self.model_name, "fingerprint": self.fingerprint,
         }
+
+
+def element_budget(options: PlanOptions, full: int, fixed: int, rotary_log: int,
+                   dtype_bits: int) -> float:
+    """The share of the ``full`` K/V width the schedule may keep (``fixed`` of it is sides
+    kept full) so that the cache meets ``options``' budget (``PlanOptions.budget``): the RoPE
+    angle log and the fixed sides cost a stored float per element, latents
+    ``latent_bits_per_value``. The whole budget (``options.unchanged``) keeps every dim, the
+    angle log beside them; a budget beyond full-width latents (quantized) is capped at 1."""
+    if options.unchanged:
+        return 1.0
+    budget, float_bits = options.budget(dtype_bits)
+    latent_bits = options.latent_bits_per_value(float_bits)
+    latents = (budget * full - (rotary_log + fixed) * float_bits) / latent_bits
+    return min(1.0, (latents + fixed) / full)
 
 
 def _energy_kept(spectrum: Spectrum, rank: int) -> float:
@@ -238,14 +279,35 @@ def _rotary_log(layers: list[LayerInput], compress_k: list[bool], options: PlanO
     return max(dims, default=0)
 
 
-def latent_fraction(cache_fraction: float, rotary_log: int, full: int) -> float:
-    """What latents may fill of a requested cache fraction: the RoPE angle log counts against
-    it, except at 1.0, which keeps every dim (the identity plan)."""
-    return cache_fraction - rotary_log / full if cache_fraction < 1.0 else cache_fraction
+def budget_reached(options: PlanOptions, kept: float, full: int, fixed: int, rotary_log: int,
+                   dtype_bits: int) -> float:
+    """The budget, in the unit ``options`` asks in (cache fraction, or bits per value), of a
+    schedule keeping ``kept`` of the full width (``fixed`` of it full sides)."""
+    _, float_bits = options.budget(dtype_bits)
+    latents = kept * full - fixed
+    bits = (latents * options.latent_bits_per_value(float_bits)
+            + (fixed + rotary_log) * float_bits) / full
+    return bits if options.bits_per_value is not None else bits / dtype_bits
 
 
-def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
-    """Bases and ranks for every layer (pure; deterministic)."""
+def _unreachable(err: UnreachableFraction, options: PlanOptions, lowest: float
+                 ) -> UnreachableFraction:
+    """The schedule's refusal said in the unit of the request."""
+    if options.bits_per_value is not None:
+        asked, unit, top = f"bits_per_value {options.bits_per_value:g}", "bits per value", 16
+    else:
+        asked, unit, top = f"cache fraction {options.cache_fraction:.3f}", "cache fraction", 1
+    return UnreachableFraction(
+        f"{asked} is out of reach of the {options.schedule} schedule on this model with "
+        f"{options.latent_bits}-bit latents: it reaches [{lowest:.3f}, {top}] ({unit}, the "
+        "skipped layers kept); ask for a budget in that range, fewer latent bits, or another "
+        "schedule", lowest)
+
+
+def plan_layers(layers: list[LayerInput], options: PlanOptions,
+                dtype_bits: int | None = None) -> Plan:
+    """Bases and ranks for every layer (pure; deterministic). ``dtype_bits``: bits of the
+    model's floats, what the cache stores unquantized (default: the K weight's)."""
     if not layers:
         raise ValueError("no attention layer to plan: the analysis found no supported "
                          "attention block (lorc_fx.analyze(model) says why)")
@@ -264,16 +326,28 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
     v_spectra = [_value_spectrum(l) for l in layers]
     compress_k = [l.compress_k and not s for l, s in zip(layers, skipped)]
     rotary_log = _rotary_log(layers, compress_k, options)
+    compress_v = [l.compress_v and not s for l, s in zip(layers, skipped)]
+    if dtype_bits is None:
+        dtype_bits = 8 * layers[0].k_weight.element_size()
     full = sum(k.width + v.width for k, v in zip(k_spectra, v_spectra))
-    latent = latent_fraction(options.cache_fraction, rotary_log, full)
-    overhead = options.cache_fraction - latent
+    fixed = sum((0 if ck else k.width) + (0 if cv else v.width)
+                for k, v, ck, cv in zip(k_spectra, v_spectra, compress_k, compress_v))
+    latent = element_budget(options, full, fixed, rotary_log, dtype_bits)
+    reached = lambda kept: budget_reached(options, kept, full, fixed, rotary_log, dtype_bits)
+    # what the messages of an unquantized plan asked in cache fraction add to the latents
+    legacy = options.bits_per_value is None and options.latent_bits == 16
+    overhead = options.cache_fraction - latent if legacy else 0.0
     inp = ScheduleInput(
         k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum, compress_k=compress_k,
-        compress_v=[l.compress_v and not s for l, s in zip(layers, skipped)],
-        cache_fraction=latent, rank_multiple=options.rank_multiple,
+        compress_v=compress_v, cache_fraction=latent, rank_multiple=options.rank_multiple,
         key_fraction=options.key_fraction, overhead_fraction=overhead,
         allow_zero_rank=options.allow_zero_rank)
-    allocation = SCHEDULES[options.schedule](inp)
+    try:
+        allocation = SCHEDULES[options.schedule](inp)
+    except UnreachableFraction as err:
+        if legacy:
+            raise
+        raise _unreachable(err, options, reached(err.lowest)) from None
 
     plans = []
     for l, ks, vs, (kr, vr), s, kk, kv, lk in zip(layers, k_spectra, v_spectra, allocation.ranks, skipped,
@@ -287,4 +361,37 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions) -> Plan:
             k_rebuild=ks.rebuild(kr), v_rebuild=vs.rebuild(vr),
             k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),
             k_compressible=l.compress_k, v_compressible=l.compress_v, note=l.note))
-    return Plan(plans, options, (allocation.lowest_fraction + overhead, 1.0), rotary_log)
+    top = 16.0 if options.bits_per_value is not None else 1.0
+    return Plan(plans, options, (reached(allocation.lowest_fraction), top), rotary_log,
+                dtype_bits=dtype_bits)
+
+
+def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
+                         dtype_bits: int | None = None) -> Plan:
+    """Plain KV-cache quantization as a plan: every layer at full width with identity bases,
+    so the latent cache stores the (post-RoPE) keys and values themselves as
+    ``options.latent_bits``-bit codes, per channel over groups of ``latent_group`` tokens
+    (KIVI's key layout, for values too). Sides the plan cannot compress (keys behind a norm)
+    stay raw. The bit-width search (``lorc_fx.search.bits``) measures it beside the low-rank
+    plans, so at equal bytes a plan it keeps never loses to it on calibration data."""
+    if options.latent_bits == 16:
+        raise ValueError("a plain quantized plan needs latent_bits 8 or 4")
+    if dtype_bits is None:
+        dtype_bits = 8 * layers[0].k_weight.element_size()
+    options = replace(options, rope="commute")
+    kappa_k, kappa_v = zip(*(l.kappa for l in layers))
+    plans = []
+    for l, kk, kv, lk in zip(layers, kappa_k, kappa_v, cumulative_log_kappa(kappa_k, kappa_v)):
+        k_eye = torch.eye(l.k_weight.shape[0], dtype=torch.float64)
+        v_eye = torch.eye(l.v_weight.shape[0], dtype=torch.float64)
+        plans.append(LayerPlan(
+            layer=l.layer, k_full=len(k_eye), v_full=len(v_eye), k_rank=len(k_eye),
+            v_rank=len(v_eye), skipped=False, kappa_k=kk, kappa_v=kv, log_kappa_cum=lk,
+            num_heads=l.num_heads, num_kv_heads=l.num_kv_heads, head_dim=l.head_dim,
+            rope=l.rope, k_latent_of="post_rope", k_basis=k_eye, v_basis=v_eye,
+            k_rebuild=k_eye, v_rebuild=v_eye, k_compressible=l.compress_k,
+            v_compressible=l.compress_v, note=l.note))
+    plan = Plan(plans, options, (0.0, 0.0), 0, dtype_bits=dtype_bits, kind="plain")
+    reached = plan.bits_per_value if options.bits_per_value is not None else plan.cache_fraction
+    plan.reachable = (reached, reached)
+    return plan

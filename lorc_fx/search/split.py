@@ -68,9 +68,14 @@ def _grid(inputs: list[LayerInput], options: PlanOptions) -> list[float]:
 
 
 def _cache_file(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions):
+    asked = asdict(replace(options, key_fraction=None))
+    if options.bits_per_value is None and options.latent_bits == 16:
+        del asked["bits_per_value"]  # a plan as before budgets in bytes existed: same key
+    else:
+        asked["budget"] = "bytes"  # quantized latents' cache_fraction counted elements before
     key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
                       "k_weights": [b.k.weight for b in blocks if b.supported],
-                      "options": asdict(replace(options, key_fraction=None)),
+                      "options": asked,
                       **sampling_key(options.calibration)},
                      sort_keys=True, default=str)
     return user_cache_dir() / "calibration" / f"split-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"

@@ -161,7 +161,7 @@ def _rewrite_metadata(path, edit):
     ("garbage", "corrupt or not a plan file"),
     ("truncated", "corrupt or not a plan file"),
     ("no_metadata", "not a LoRC plan"),
-    ("newer", "format version 2"),
+    ("newer", "format version 3"),
     ("tensor_gone", "lacks the tensor '0.k_basis'"),
     ("wrong_shape", r"tensor '1.v_basis' is torch.float64 \(3, 32\), the plan says"),
     ("field_gone", "corrupt or not a plan file"),
@@ -184,7 +184,7 @@ def test_a_missing_or_damaged_file_is_a_clear_error_naming_it(damage, message, s
         from safetensors.torch import save_file
         save_file({"x": torch.zeros(2)}, str(path))
     elif damage == "newer":
-        _rewrite_metadata(path, lambda d, t: d.update(version=2))
+        _rewrite_metadata(path, lambda d, t: d.update(version=3))
     elif damage == "tensor_gone":
         _rewrite_metadata(path, lambda d, t: t.pop("0.k_basis"))
     elif damage == "wrong_shape":

@@ -234,3 +234,60 @@ def test_layer_round_trip_within_half_a_step(bits, group, k_rank, v_rank, batch,
     cache.update(more, more, 0)
     assert cache.get_seq_length() == length + group
     assert layer.keys.shape[-2] < group or k_rank == 0
+
+
+# ---------------------------------------------------------------- mixed plans: bytes measured
+
+@pytest.fixture(scope="module")
+def mixed(model):
+    from lorc_fx.analysis import analyze
+    from lorc_fx.analysis.records import named_params
+    from lorc_fx.plan.planner import layer_inputs
+
+    blocks = analyze(model)
+    return blocks, layer_inputs(named_params(model), blocks)
+
+
+@settings(max_examples=12, deadline=None)
+@given(bits=st.sampled_from([8, 4]), group=st.sampled_from([2, 4, 8, 16]),
+       budget=st.floats(3.0, 14.0), rope=st.sampled_from(["commute", "reconstruct"]),
+       keep_first=st.integers(0, 1), plain=st.booleans(), groups=st.integers(1, 3))
+def test_measured_bits_are_the_plans_for_mixed_plans(model, mixed, bits, group, budget, rope,
+                                                     keep_first, plain, groups):
+    """Quantized latents beside 16-bit (here float32) sides: a layer kept full, the RoPE angle
+    log, or plain quantization's full-width identity bases. On whole groups the cache's
+    tensors hold exactly the plan's bytes, and its bits per value (floats at 16 bits) are
+    the plan's."""
+    from lorc_fx.plan.planner import plain_quantized_plan, plan_layers
+    from lorc_fx.plan.schedules import UnreachableFraction
+
+    blocks, inputs = mixed
+    options = PlanOptions(bits_per_value=budget, latent_bits=bits, latent_group=group,
+                          schedule="uniform", basis="weight", rope=rope, keep_first=keep_first)
+    try:
+        plan = plain_quantized_plan(inputs, options) if plain else plan_layers(inputs, options)
+    except UnreachableFraction:
+        return
+    compress(model, plan=plan, blocks=blocks)
+    length = groups * group
+    cache = latent_cache(model)
+    with torch.no_grad():
+        model(ids_of(1, length, seed=groups), past_key_values=cache, use_cache=True)
+    assert cache.cache_bytes() == length * plan.cache_bytes_per_token(4)[1]
+    assert cache.cached_values() == length * plan.cache_elements_per_token()[0]
+    assert cache.bits_per_value() == pytest.approx(plan.bits_per_value, rel=1e-12)
+    assert any(isinstance(l, QuantizedLatentDynamicLayer) for l in cache.layers)
+
+
+def test_sixteen_bit_latents_measure_sixteen_bits_per_value_at_full_width(model):
+    """The unquantized identity plan of a float32 model: 16 bits per value (floats counted
+    at 16), its bytes those of the full cache."""
+    compress(model, 1.0, schedule="uniform", basis="weight", rope="commute")
+    cache = latent_cache(model)
+    with torch.no_grad():
+        model(ids_of(2, 12), past_key_values=cache, use_cache=True)
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids_of(2, 12), past_key_values=plain, use_cache=True)
+    assert cache.bits_per_value() == 16.0
+    assert cache.cache_bytes() == sum(l.keys.nbytes + l.values.nbytes for l in plain.layers)

@@ -47,6 +47,9 @@ def test_analyze_json(model_dir, tmp_path):
     ("eval", ["--new-tokens", "0"], "new_tokens must be an integer >= 1"),
     ("sweep", ["--fractions", "0.5,2"], "--fractions must be numbers in (0, 1]"),
     ("demo", ["--cache-fraction", "0"], "cache_fraction must be a number in (0, 1]"),
+    ("plan", ["--bits-per-value", "20"], "bits_per_value must be a number in [0.5, 16]"),
+    ("eval", ["--bits-per-value", "0.2"], "bits_per_value must be a number in [0.5, 16]"),
+    ("eval", ["--latent-bits", "6"], "latent_bits must be one of [16, 8, 4, 'auto'], got 6"),
 ])
 def test_invalid_options_exit_2_before_the_model_loads(tmp_path, command, args, message, capsys):
     """The model path does not exist: a message about the option proves it was never loaded."""
@@ -54,6 +57,28 @@ def test_invalid_options_exit_2_before_the_model_loads(tmp_path, command, args, 
     assert main([command, *model, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "not a model directory" not in err
+
+
+@pytest.mark.parametrize("command", ["plan", "eval", "demo"])
+@pytest.mark.parametrize("first, second", [("--cache-fraction", "--bits-per-value"),
+                                           ("--bits-per-value", "--max-ppl-increase")])
+def test_the_ways_to_say_the_budget_are_exclusive(command, first, second, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, first, "0.5", second, "0.5"])
+    assert exit_.value.code == 2
+    assert f"{second}: not allowed with argument {first}" in capsys.readouterr().err
+
+
+def test_plan_json_at_a_bit_budget(model_dir, tmp_path):
+    """Fixed latent bits: the budget in bits per value, everything counted."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", model_dir, "--bits-per-value", "6", "--latent-bits", "8",
+                 "--latent-group", "32", "--rope", "commute", "--rank-multiple", "1",
+                 "--basis", "weight", "--schedule", "uniform", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["requested_bits_per_value"] == 6 and data["requested_fraction"] is None
+    assert abs(data["bits_per_value"] - 6) <= 9 / 32  # within one rank of 9-bit latents
+    assert data["options"]["latent_bits"] == 8 and data["kind"] == "low_rank"
 
 
 def test_every_option_is_explained_with_its_default():

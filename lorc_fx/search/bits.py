@@ -1,0 +1,96 @@
+"""Choose the latents' bit width by measuring the loss each candidate causes at one budget.
+
+At a byte budget, fewer bits per latent buy more rank: 4-bit latents at 0.5 of the full
+width cost about what 16-bit latents at 0.15 do. Which trade is best depends on the model
+and the budget, and the error models of the rank planner do not see quantization, so the
+candidates are measured: for each RoPE mode and latent bit width (16/8/4, one width for keys
+and values), the calibrated rank planner fills the budget (its key/value split measured as
+for any plan, ``search.split``), and plain KV-cache quantization (every layer full width,
+identity bases, ``plan.planner.plain_quantized_plan``) is a candidate wherever it fits the
+budget. Each is scored by its loss on held-out calibration windows through the real latent
+cache; the least loss wins, and the plan records every candidate measured.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from lorc_fx.plan.planner import Plan
+from lorc_fx.plan.schedules import UnreachableFraction
+
+
+def over_budget(plan: Plan) -> bool:
+    """Whether ``plan`` holds more than its budget by more than one rank step (the rank
+    schedules snap to the nearest step, so a plan may exceed its budget by less)."""
+    o = plan.options
+    full, _ = plan.cache_elements_per_token()
+    _, float_bits = o.budget(plan.dtype_bits)
+    step = o.rank_multiple * o.latent_bits_per_value(float_bits) / full
+    if o.bits_per_value is not None:
+        return plan.bits_per_value > o.bits_per_value + step + 1e-9
+    return plan.cache_fraction > o.cache_fraction + step / plan.dtype_bits + 1e-9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    rope: str
+    latent_bits: int
+    plain: bool = False  # plain KV-cache quantization: full width, identity bases
+
+    @property
+    def name(self) -> str:
+        if self.plain:
+            return f"plain KV quantization, {self.latent_bits}-bit"
+        bits = "16-bit latents" if self.latent_bits == 16 else f"{self.latent_bits}-bit latents"
+        return f"low rank, {bits}, rope={self.rope}"
+
+
+def candidates(modes: list[str], bit_choices: tuple[int, ...], plain: bool) -> list[Candidate]:
+    """Every RoPE mode at every bit width, and (``plain``) plain quantization at each
+    bit width below 16."""
+    out = [Candidate(mode, bits) for mode in modes for bits in bit_choices]
+    if plain:
+        out += [Candidate("commute", bits, True) for bits in bit_choices if bits != 16]
+    return out
+
+
+def best_candidate(build: Callable[[Candidate], tuple[Plan, float | None]],
+                   listed: list[Candidate], progress: bool = True
+                   ) -> tuple[Plan, float | None]:
+    """The plan of the candidate with the least held-out loss, and that loss (``build`` plans one and
+    measures its loss, or returns ``None`` where nothing can be measured: then the first that
+    plans wins). Candidates out of reach of the budget (``UnreachableFraction``) or over it
+    (``over_budget``, where there is more than one candidate) are left out; where none plans, the first refusal is raised. The plan
+    returned records every candidate measured, best first, in ``Plan.candidates``."""
+    from tqdm.auto import tqdm
+
+    planned: list[tuple[float, Candidate, Plan]] = []
+    refused: list[UnreachableFraction] = []
+    bar = tqdm(listed, desc="measuring plan candidates", unit="candidate",
+               disable=not progress or len(listed) < 2)
+    for candidate in bar:
+        bar.set_postfix_str(candidate.name)
+        try:
+            plan, loss = build(candidate)
+        except UnreachableFraction as err:
+            refused.append(err)
+            continue
+        if len(listed) > 1 and over_budget(plan):  # compared at equal bytes only
+            refused.append(UnreachableFraction(f"{candidate.name} is over the budget", math.inf))
+            continue
+        if loss is None:  # nothing to compare on: the first candidate that plans
+            bar.close()
+            return plan, None
+        planned.append((loss, candidate, plan))
+    bar.close()
+    if not planned:
+        raise refused[0]
+    planned.sort(key=lambda p: p[0])
+    best = planned[0][2]
+    if len(listed) > 1:
+        best.candidates = [{"candidate": c.name, "rope": c.rope, "latent_bits": c.latent_bits,
+                            "plain": c.plain, "loss": None if math.isinf(loss) else loss,
+                            "bits_per_value": p.bits_per_value,
+                            "cache_fraction": p.cache_fraction} for loss, c, p in planned]
+    return best, planned[0][0]

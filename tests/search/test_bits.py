@@ -1,0 +1,97 @@
+"""The bit-width search: candidates scored by held-out loss at one budget (issue #13)."""
+import math
+
+import pytest
+
+from lorc_fx.api import compress
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import plan_layers
+from lorc_fx.plan.schedules import UnreachableFraction
+from lorc_fx.search.bits import Candidate, best_candidate, candidates, over_budget
+from helpers.families import build, config_for
+from helpers.plan_inputs import random_layers
+
+
+def test_the_candidates_hold_plain_quantization_at_each_width():
+    listed = candidates(["commute", "reconstruct"], (16, 8, 4), plain=True)
+    assert Candidate("commute", 8, True) in listed and Candidate("commute", 4, True) in listed
+    assert {(c.rope, c.latent_bits) for c in listed if not c.plain} == \
+        {(m, b) for m in ("commute", "reconstruct") for b in (16, 8, 4)}
+    assert not any(c.plain for c in candidates(["commute"], (16,), plain=False))
+
+
+def _plan(bits: int, budget: float = 8.0):
+    return plan_layers(random_layers(0), PlanOptions(bits_per_value=budget, latent_bits=bits,
+                                                     schedule="uniform", rank_multiple=4),
+                       dtype_bits=16)
+
+
+def test_the_least_loss_wins_and_every_measured_candidate_is_recorded():
+    losses = {16: 3.0, 8: 2.5, 4: 2.75}
+    listed = candidates(["commute"], (16, 8, 4), plain=False) + [Candidate("commute", 4, True)]
+
+    def build(c):
+        if c.plain:
+            raise UnreachableFraction("no room", 9.0)
+        return _plan(c.latent_bits), losses[c.latent_bits]
+
+    best, loss = best_candidate(build, listed, progress=False)
+    assert best.options.latent_bits == 8 and loss == 2.5
+    assert [c["latent_bits"] for c in best.candidates] == [8, 4, 16]
+    assert [c["loss"] for c in best.candidates] == [2.5, 2.75, 3.0]
+    assert all(not c["plain"] for c in best.candidates)
+
+
+def test_over_budget_candidates_are_left_out_and_no_plan_is_a_refusal():
+    over = _plan(16, budget=8.0)
+    over.options = PlanOptions(bits_per_value=4.0, schedule="uniform", rank_multiple=4)
+    assert over_budget(over) and not over_budget(_plan(16, budget=8.0))
+    listed = [Candidate("commute", 16), Candidate("commute", 8)]
+    best, _ = best_candidate(lambda c: (over, 1.0) if c.latent_bits == 16 else (_plan(8), 2.0),
+                             listed, progress=False)
+    assert best.options.latent_bits == 8  # the lower loss was over the budget
+    with pytest.raises(UnreachableFraction, match="over the budget"):
+        best_candidate(lambda c: (over, 1.0), listed, progress=False)
+
+
+def test_without_a_loss_the_first_candidate_that_plans_wins_unrecorded():
+    calls = []
+
+    def build(c):
+        calls.append(c)
+        if c.latent_bits == 16:
+            raise UnreachableFraction("no room", 9.0)
+        return _plan(c.latent_bits), None
+
+    best, loss = best_candidate(build, candidates(["commute"], (16, 8, 4), False), progress=False)
+    assert best.options.latent_bits == 8 and best.candidates == [] and len(calls) == 2
+    assert loss is None
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(config_for("llama"))
+
+
+def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model, tmp_path,
+                                                                           monkeypatch):
+    """Through the real cache on held-out calibration windows (a tiny random model: which
+    candidate wins is not the point): plain 8- and 4-bit quantization fit 9.5 bits per value
+    (groups of 32: 9 and 5 bits) and are measured; the plan kept has the least loss, its
+    recorded loss is its own, and no candidate is over the budget."""
+    from lorc_fx.analysis import analyze
+    from lorc_fx.search.split import held_out_loss
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    blocks = analyze(model)
+    report = compress(model, bits_per_value=9.5, basis="weight", schedule="uniform",
+                      rope="commute", blocks=blocks, progress=False)
+    measured = report.plan.candidates
+    names = [c["candidate"] for c in measured]
+    assert {"plain KV quantization, 8-bit", "plain KV quantization, 4-bit"} <= set(names)
+    assert len(measured) == 5  # 16, 8, 4-bit latents at low rank, and the two plain
+    assert measured[0]["loss"] == min(c["loss"] for c in measured)
+    assert all(c["bits_per_value"] <= 9.5 + 0.5 for c in measured)
+    assert math.isclose(held_out_loss(model, blocks, report.plan), measured[0]["loss"],
+                        rel_tol=1e-9)
+    assert "candidates measured" in str(report)
