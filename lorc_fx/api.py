@@ -26,8 +26,8 @@ from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.calibration import (CalibrationUnavailable, cache_path, calibration_tokenizer,
                                       sample_self_text, self_text_request, usable_calibration)
 from lorc_fx.data.models import user_cache_dir
-from lorc_fx.plan.options import (LATENT_BITS, ROPE_MODES, SELF_TEXT, CalibrationOptions,
-                                  PlanOptions)
+from lorc_fx.plan.options import (LATENT_BITS, LATENT_GROUPS, ROPE_MODES, SELF_TEXT,
+                                  CalibrationOptions, PlanOptions)
 from lorc_fx.plan.planner import (LayerInput, Plan, layer_inputs, plain_quantized_plan,
                                   plan_layers)
 from lorc_fx.plan.schedules import UnreachableFraction
@@ -133,7 +133,8 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     rank_multiple: int = 8, key_fraction: float | None = None,
                     calibration: CalibrationOptions | None = None,
                     objective: str = "quality", latent_bits: int | str | None = None,
-                    latent_group: int = 32, bits_per_value: float | None = None) -> PlanOptions:
+                    latent_group: int | None = None, bits_per_value: float | None = None
+                    ) -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
     mode :func:`rope_modes` tries, ``latent_bits`` "auto" (or ``None`` with
@@ -154,7 +155,7 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
                        calibration=calibration or CalibrationOptions(), objective=objective,
                        latent_bits=latent_bits if isinstance(latent_bits, int) else 16,
-                       latent_group=latent_group)
+                       latent_group=LATENT_GROUPS[0] if latent_group is None else latent_group)
 
 
 def bit_choices(latent_bits: int | str | None, bits_per_value: float | None) -> tuple[int, ...]:
@@ -163,6 +164,14 @@ def bit_choices(latent_bits: int | str | None, bits_per_value: float | None) -> 
     if latent_bits == "auto" or (latent_bits is None and bits_per_value is not None):
         return LATENT_BITS
     return (16 if latent_bits is None else latent_bits,)
+
+
+def group_choices(latent_group: int | None, widths: tuple[int, ...]) -> tuple[int, ...]:
+    """The group sizes to plan: the one asked, else both of ``LATENT_GROUPS`` where the bit
+    width is searched, else the first."""
+    if latent_group is not None:
+        return (latent_group,)
+    return LATENT_GROUPS if len(widths) > 1 else LATENT_GROUPS[:1]
 
 
 def _check_budget(cache_fraction: float | None, bits_per_value: float | None,
@@ -196,7 +205,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
          calibration: CalibrationOptions | None = None, objective: str = "quality",
-         latent_bits: int | str | None = None, latent_group: int = 32,
+         latent_bits: int | str | None = None, latent_group: int | None = None,
          progress: bool = True, blocks: list[AttentionBlock] | None = None) -> Plan:
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V
     cache (default 0.6), or ``bits_per_value``, or, with ``max_ppl_increase=t``, the smallest
@@ -225,9 +234,10 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     points, the RoPE angle log): ``cache_fraction`` of the uncompressed cache in the model's
     dtype (default 0.6), or ``bits_per_value`` per cached K/V value with every stored float
     at 16 bits (16: an uncompressed 16-bit cache), not both. ``latent_bits`` stores latents
-    as 8- or 4-bit codes (``latent_group`` tokens per scale); ``"auto"`` (the default with
-    ``bits_per_value``) measures every width with the rank planner filling the budget, and
-    plain KV quantization beside them, and keeps the least held-out loss
+    as 8- or 4-bit codes (``latent_group`` tokens per scale, default 32); ``"auto"`` (the
+    default with ``bits_per_value``) measures every width (and, unless ``latent_group`` is
+    given, groups of 32 and 64) with the rank planner filling the budget, and plain KV
+    quantization beside them, and keeps the least held-out loss
     (``lorc_fx.search.bits``; ``progress``: a progress bar). ``Plan.candidates`` lists what
     was measured.
     """
@@ -239,6 +249,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
                               latent_bits=latent_bits, latent_group=latent_group,
                               bits_per_value=bits_per_value)
     widths = bit_choices(latent_bits, bits_per_value)
+    groups = group_choices(latent_group, widths)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)
@@ -253,7 +264,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
             schedule == "calibrated" and key_fraction is None))
     start = time.perf_counter()
     if max_ppl_increase is None:
-        best, _ = _best_plan(model, blocks, options, modes, measure, widths, progress)
+        best, _ = _best_plan(model, blocks, options, modes, measure, widths, groups, progress)
     else:
         best = _plan_within(model, blocks, options, modes, max_ppl_increase)
     if first is not None:
@@ -282,14 +293,18 @@ def _announce_first_calibration(model: nn.Module, blocks: list[AttentionBlock],
 
 def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
                modes: list[str], measure: bool, widths: tuple[int, ...] | None = None,
-               progress: bool = False) -> tuple[Plan, float | None]:
+               groups: tuple[int, ...] | None = None, progress: bool = False
+               ) -> tuple[Plan, float | None]:
     """The plan of the candidate with the least held-out calibration loss (measured where
     ``measure`` asks, else the first candidate that plans), and that loss. Candidates: every
-    RoPE mode in ``modes`` at every latent bit width in ``widths`` (default: the options'),
-    and plain KV quantization where the width is searched (``lorc_fx.search.bits``)."""
+    RoPE mode in ``modes`` at every latent bit width in ``widths`` and group size in
+    ``groups`` (default: the options'), and plain KV quantization where the width is
+    searched (``lorc_fx.search.bits``)."""
     widths = widths or (options.latent_bits,)
-    listed = candidates(modes, widths, plain=len(widths) > 1)
+    groups = groups or (options.latent_group,)
+    listed = candidates(modes, widths, groups, plain=len(widths) > 1)
     prepared: dict[str, tuple[PlanOptions, list[LayerInput], str]] = {}
+    splits: dict[tuple[str, int], float] = {}  # measured once per mode and width
 
     def build(candidate: Candidate) -> tuple[Plan, float | None]:
         if candidate.rope not in prepared:
@@ -298,8 +313,15 @@ def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
         resolved, inputs, note = prepared[candidate.rope]
         # RoPE modes are compared where the basis is calibrated; bit widths always
         measured = measure and (resolved.basis in CALIBRATED_BASES or len(widths) > 1)
-        return _plan_candidate(model, blocks, replace(resolved, latent_bits=candidate.latent_bits),
-                               inputs, note, candidate.plain, measured)
+        asked = replace(resolved, latent_bits=candidate.latent_bits,
+                        latent_group=candidate.latent_group,
+                        key_fraction=splits.get((candidate.rope, candidate.latent_bits),
+                                                resolved.key_fraction))
+        result, loss = _plan_candidate(model, blocks, asked, inputs, note, candidate.plain,
+                                       measured)
+        if not candidate.plain and len(groups) > 1:
+            splits.setdefault((candidate.rope, candidate.latent_bits), result.options.key_fraction)
+        return result, loss
 
     return best_candidate(build, listed, progress)
 

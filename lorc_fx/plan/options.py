@@ -16,6 +16,7 @@ BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
 # step, several times slower at long context: bench/results/long_context-cpu.md)
 OBJECTIVES = ("quality", "speed")
 LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized)
+LATENT_GROUPS = (32, 64)  # group sizes the bit-width search tries (the first: the default)
 MIN_BITS_PER_VALUE = 0.5  # below it no plan of 4-bit latents keeps a usable rank
 STORED_FLOAT_BITS = 16  # what a stored float counts in bits per value (dtype-independent)
 # the calibration text sampled from the model itself (``calibration.self_generated_windows``)

@@ -3,9 +3,10 @@
 At a byte budget, fewer bits per latent buy more rank: 4-bit latents at 0.5 of the full
 width cost about what 16-bit latents at 0.15 do. Which trade is best depends on the model
 and the budget, and the error models of the rank planner do not see quantization, so the
-candidates are measured: for each RoPE mode and latent bit width (16/8/4, one width for keys
-and values), the calibrated rank planner fills the budget (its key/value split measured as
-for any plan, ``search.split``), and plain KV-cache quantization (every layer full width,
+candidates are measured: for each RoPE mode, latent bit width (16/8/4, one width for keys
+and values) and group size, the calibrated rank planner fills the budget (its key/value split
+measured as for any plan, ``search.split``, once per mode and width: further group sizes
+reuse it), and plain KV-cache quantization (every layer full width,
 identity bases, ``plan.planner.plain_quantized_plan``) is a candidate wherever it fits the
 budget. Each is scored by its loss on held-out calibration windows through the real latent
 cache; the least loss wins, and the plan records every candidate measured.
@@ -36,22 +37,27 @@ def over_budget(plan: Plan) -> bool:
 class Candidate:
     rope: str
     latent_bits: int
+    latent_group: int = 32  # tokens per scale and zero point (no meaning at 16 bits)
     plain: bool = False  # plain KV-cache quantization: full width, identity bases
 
     @property
     def name(self) -> str:
         if self.plain:
-            return f"plain KV quantization, {self.latent_bits}-bit"
-        bits = "16-bit latents" if self.latent_bits == 16 else f"{self.latent_bits}-bit latents"
+            return f"plain KV quantization, {self.latent_bits}-bit, G{self.latent_group}"
+        bits = ("16-bit latents" if self.latent_bits == 16
+                else f"{self.latent_bits}-bit latents, G{self.latent_group}")
         return f"low rank, {bits}, rope={self.rope}"
 
 
-def candidates(modes: list[str], bit_choices: tuple[int, ...], plain: bool) -> list[Candidate]:
-    """Every RoPE mode at every bit width, and (``plain``) plain quantization at each
-    bit width below 16."""
-    out = [Candidate(mode, bits) for mode in modes for bits in bit_choices]
+def candidates(modes: list[str], bit_choices: tuple[int, ...], groups: tuple[int, ...],
+               plain: bool) -> list[Candidate]:
+    """Every RoPE mode at every bit width (below 16 bits with every group size, the first
+    group first), and (``plain``) plain quantization at each width below 16 and group."""
+    out = [Candidate(mode, bits, group) for mode in modes for bits in bit_choices
+           for group in (groups if bits != 16 else groups[:1])]
     if plain:
-        out += [Candidate("commute", bits, True) for bits in bit_choices if bits != 16]
+        out += [Candidate("commute", bits, group, True) for bits in bit_choices if bits != 16
+                for group in groups]
     return out
 
 
@@ -90,7 +96,7 @@ def best_candidate(build: Callable[[Candidate], tuple[Plan, float | None]],
     best = planned[0][2]
     if len(listed) > 1:
         best.candidates = [{"candidate": c.name, "rope": c.rope, "latent_bits": c.latent_bits,
-                            "plain": c.plain, "loss": None if math.isinf(loss) else loss,
+                            "latent_group": c.latent_group, "plain": c.plain, "loss": None if math.isinf(loss) else loss,
                             "bits_per_value": p.bits_per_value,
                             "cache_fraction": p.cache_fraction} for loss, c, p in planned]
     return best, planned[0][0]

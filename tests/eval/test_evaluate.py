@@ -36,3 +36,20 @@ def test_a_text_too_short_for_its_windows_is_refused_by_name():
     options = EvalOptions(text="tiny.txt", tokens=4096, window=512, prompts=1)
     with pytest.raises(ValueError, match="text 'tiny.txt': its evaluation part"):
         evaluation_inputs(WordTokenizer(), _text(40, 50), options)
+
+
+def test_scores_measure_bits_per_value_from_the_cache():
+    """Windows of whole latent groups: the bits per value measured over every batch are the
+    plan's (floats at 16 bits), the full cache's 0."""
+    from lorc_fx.api import compress
+    from lorc_fx.eval.evaluate import score_windows
+    from helpers.families import VOCAB, build, config_for
+
+    model = build(config_for("llama"))
+    report = compress(model, 0.5, schedule="uniform", basis="weight", rope="commute",
+                      latent_bits=4, latent_group=8)
+    windows = torch.randint(3, VOCAB, (3, 32), generator=torch.Generator().manual_seed(0))
+    scores = score_windows(model, windows, True, batch_size=2)
+    assert scores.bits_per_value == pytest.approx(report.plan.bits_per_value, rel=1e-12)
+    assert report.plan.bits_per_value < 16 * 0.5 + 1e-9
+    assert score_windows(model, windows, False).bits_per_value == 0.0

@@ -12,12 +12,16 @@ from helpers.families import build, config_for
 from helpers.plan_inputs import random_layers
 
 
-def test_the_candidates_hold_plain_quantization_at_each_width():
-    listed = candidates(["commute", "reconstruct"], (16, 8, 4), plain=True)
-    assert Candidate("commute", 8, True) in listed and Candidate("commute", 4, True) in listed
-    assert {(c.rope, c.latent_bits) for c in listed if not c.plain} == \
-        {(m, b) for m in ("commute", "reconstruct") for b in (16, 8, 4)}
-    assert not any(c.plain for c in candidates(["commute"], (16,), plain=False))
+def test_the_candidates_hold_plain_quantization_at_each_width_and_group():
+    listed = candidates(["commute", "reconstruct"], (16, 8, 4), (32, 64), plain=True)
+    assert {(c.latent_bits, c.latent_group) for c in listed if c.plain} == \
+        {(8, 32), (8, 64), (4, 32), (4, 64)}
+    assert {(c.rope, c.latent_bits, c.latent_group) for c in listed if not c.plain} == \
+        {(m, 16, 32) for m in ("commute", "reconstruct")} | \
+        {(m, b, g) for m in ("commute", "reconstruct") for b in (8, 4) for g in (32, 64)}
+    # the first group of a width comes first: its measured split is reused by the others
+    assert [c.latent_group for c in listed if c.latent_bits == 8 and not c.plain] == [32, 64] * 2
+    assert not any(c.plain for c in candidates(["commute"], (16,), (32,), plain=False))
 
 
 def _plan(bits: int, budget: float = 8.0):
@@ -28,7 +32,8 @@ def _plan(bits: int, budget: float = 8.0):
 
 def test_the_least_loss_wins_and_every_measured_candidate_is_recorded():
     losses = {16: 3.0, 8: 2.5, 4: 2.75}
-    listed = candidates(["commute"], (16, 8, 4), plain=False) + [Candidate("commute", 4, True)]
+    listed = candidates(["commute"], (16, 8, 4), (32,), plain=False) + \
+        [Candidate("commute", 4, plain=True)]
 
     def build(c):
         if c.plain:
@@ -63,7 +68,8 @@ def test_without_a_loss_the_first_candidate_that_plans_wins_unrecorded():
             raise UnreachableFraction("no room", 9.0)
         return _plan(c.latent_bits), None
 
-    best, loss = best_candidate(build, candidates(["commute"], (16, 8, 4), False), progress=False)
+    best, loss = best_candidate(build, candidates(["commute"], (16, 8, 4), (32,), False),
+                                progress=False)
     assert best.options.latent_bits == 8 and best.candidates == [] and len(calls) == 2
     assert loss is None
 
@@ -77,8 +83,8 @@ def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model
                                                                            monkeypatch):
     """Through the real cache on held-out calibration windows (a tiny random model: which
     candidate wins is not the point): plain 8- and 4-bit quantization fit 9.5 bits per value
-    (groups of 32: 9 and 5 bits) and are measured; the plan kept has the least loss, its
-    recorded loss is its own, and no candidate is over the budget."""
+    (9 and 5 bits with groups of 32, 8.5 and 4.5 with 64) and are measured; the plan kept
+    has the least loss, its recorded loss is its own, and no candidate is over the budget."""
     from lorc_fx.analysis import analyze
     from lorc_fx.search.split import held_out_loss
 
@@ -88,8 +94,9 @@ def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model
                       rope="commute", blocks=blocks, progress=False)
     measured = report.plan.candidates
     names = [c["candidate"] for c in measured]
-    assert {"plain KV quantization, 8-bit", "plain KV quantization, 4-bit"} <= set(names)
-    assert len(measured) == 5  # 16, 8, 4-bit latents at low rank, and the two plain
+    assert {f"plain KV quantization, {b}-bit, G{g}" for b in (8, 4) for g in (32, 64)} <= \
+        set(names)
+    assert len(measured) == 9  # 16-bit, 8- and 4-bit latents in groups of 32 and 64, 4 plain
     assert measured[0]["loss"] == min(c["loss"] for c in measured)
     assert all(c["bits_per_value"] <= 9.5 + 0.5 for c in measured)
     assert math.isclose(held_out_loss(model, blocks, report.plan), measured[0]["loss"],
