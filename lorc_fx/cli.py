@@ -65,8 +65,9 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                         "(the default with --cache-fraction); auto: measure 16, 8 and 4 and "
                         "plain KV quantization at the budget (the default with "
                         "--bits-per-value)")
-    p.add_argument("--latent-group", type=int, default=32,
-                   help="tokens per quantization group of a latent channel")
+    p.add_argument("--latent-group", type=int, default=None,
+                   help="tokens per quantization group of a latent channel; None: 32, and "
+                        "with --latent-bits auto both 32 and 64 are measured")
     default = CalibrationOptions()
     p.add_argument("--calibration-text", default=",".join(default.texts),
                    help="comma-separated texts the data-aware bases calibrate on: self (text "
