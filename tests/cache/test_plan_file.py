@@ -46,6 +46,9 @@ def assert_same_plan(got, expected):
     assert got.rotary_log == expected.rotary_log
     assert got.basis_note == expected.basis_note  # the report's basis: line survives the file
     assert got.fingerprint == expected.fingerprint and got.fingerprint is not None
+    assert (got.dtype_bits, got.kind, got.candidates) == \
+        (expected.dtype_bits, expected.kind, expected.candidates)
+    assert got.bits_per_value == expected.bits_per_value
     assert len(got.layers) == len(expected.layers)
     for a, b in zip(got.layers, expected.layers):
         assert a.summary() == b.summary()
@@ -256,3 +259,18 @@ def test_cli_plan_save_then_eval_plan(tiny_with_tokenizer, tmp_path, capsys, for
     assert data["plan"]["options"]["schedule"] == "uniform"
     assert main([*common, "--cache-fraction", "0.5"]) == 2
     assert "--plan installs a saved plan as it is" in capsys.readouterr().err
+
+
+def test_a_bit_budget_plan_and_its_measured_candidates_survive_the_file(tmp_path, monkeypatch):
+    """The plan the bit-width search kept (its kind, latent bits and group, the candidates it
+    measured) is installed again as it was: the same bytes, the same logits."""
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny()
+    report = lorc_fx.compress(model, bits_per_value=7.0, rope="commute", progress=False, **FAST)
+    assert report.plan.candidates
+    expected = latent_logits(model)
+    path = report.save(tmp_path / "bits.safetensors")
+    fresh = tiny()
+    lorc_fx.compress(fresh, plan=path)
+    assert_same_plan(fresh._lorc_plan, report.plan)
+    assert torch.equal(latent_logits(fresh), expected)
