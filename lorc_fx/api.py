@@ -146,7 +146,9 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
         raise ValueError(f"give cache_fraction or bits_per_value, not both (got cache_fraction="
                          f"{cache_fraction!r}, bits_per_value={bits_per_value!r}): both say the "
                          "cache's budget")
-    if latent_bits is not None and latent_bits != "auto" and latent_bits not in LATENT_BITS:
+    searched = latent_bits is None or latent_bits == "auto"
+    if not searched and (not isinstance(latent_bits, int) or isinstance(latent_bits, bool)
+                         or latent_bits not in LATENT_BITS):
         raise ValueError(f"latent_bits must be one of {[*LATENT_BITS, 'auto']}, got {latent_bits!r}")
     return PlanOptions(cache_fraction=0.6 if cache_fraction is None else cache_fraction,
                        bits_per_value=bits_per_value, schedule=schedule,
@@ -154,7 +156,7 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                        skip_threshold=skip_threshold, keep_first=keep_first,
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
                        calibration=calibration or CalibrationOptions(), objective=objective,
-                       latent_bits=latent_bits if isinstance(latent_bits, int) else 16,
+                       latent_bits=16 if searched else latent_bits,
                        latent_group=LATENT_GROUPS[0] if latent_group is None else latent_group)
 
 
