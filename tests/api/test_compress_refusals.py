@@ -55,6 +55,11 @@ def test_plan_of_a_model_without_attention_raises_a_clear_error():
     (dict(cache_fraction=0.0), "cache_fraction must be a number in (0, 1]"),
     (dict(rank_multiple=2.5), "rank_multiple must be an integer >= 1, got 2.5"),
     (dict(rope="sideways"), "unknown rope mode 'sideways'"),
+    (dict(cache_fraction=0.5, bits_per_value=4), "give cache_fraction or bits_per_value, not both"),
+    (dict(bits_per_value=0.25), "bits_per_value must be a number in [0.5, 16]"),
+    (dict(bits_per_value=4, latent_bits=8.0), "latent_bits must be one of [16, 8, 4, 'auto']"),
+    (dict(latent_bits="best"), "latent_bits must be one of [16, 8, 4, 'auto'], got 'best'"),
+    (dict(latent_bits=4, latent_group=3), "latent_group must be a positive integer"),
 ])
 def test_bad_options_fail_before_the_model_is_traced(options, message):
     class Untraceable(nn.Module):  # tracing it would fail with another message
