@@ -51,7 +51,7 @@ class LorcBackend:
                 f"lorc_backend: the model has no lorc_fx.compress plan, so its cache-free "
                 f"attention is compressed with bases from the graph's weights: "
                 f"{len(compression.compressed)} blocks at cache fraction "
-                f"{plan.cache_fraction:.3f} (asked {plan.options.cache_fraction:.3f}, "
+                f"{plan.cache_fraction:.3f} (asked {_asked(plan.options)}, "
                 f"{plan.options.schedule} schedule); outputs differ from the uncompressed "
                 "model's"))
         if compression is not None:
@@ -79,3 +79,10 @@ class LorcBackend:
 
 lorc_backend = LorcBackend()
 torch._dynamo.register_backend(lorc_backend, name="lorc")
+
+
+def _asked(options: PlanOptions) -> str:
+    """The budget as the options say it."""
+    if options.bits_per_value is not None:
+        return f"{options.bits_per_value:g} bits per value"
+    return f"{options.cache_fraction:.3f}"
