@@ -3,7 +3,10 @@ the default model at default plan options, latents stored as ``latent_bits``-bit
 
     OMP_NUM_THREADS=1 python bench/quantized_latents.py 0.8:4 0.8:16 0.6:4 0.5:8
 
-Each argument is ``fraction:latent_bits`` (groups of 32 tokens per channel). Windows: 4096
+Each argument is ``fraction:latent_bits`` (groups of 32 tokens per channel). The recorded
+results were measured when a quantized plan's ``cache_fraction`` counted latent elements;
+it now counts bytes (quantized latents fill it at a higher rank), so rerunning gives other
+plans: ``bench/bits_pareto.py`` is the comparison at equal bits. Windows: 4096
 evaluation tokens of news and Austen in windows of 512, each scored in one forward through a
 fresh latent cache (every window is 16 whole groups, so every latent is read quantized, as
 KIVI with no full-precision window). Bits per value are for a 16-bit deployment (16-bit
