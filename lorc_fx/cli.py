@@ -172,8 +172,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out = {
         "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
         "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement,
-        "generation": result.generation, "text": args.text, "tokens": args.tokens,
-        "window": args.window, "cache_fraction": report.plan.cache_fraction,
+        "kl_mean": result.kl_mean, "generation": result.generation, "text": args.text,
+        "tokens": args.tokens, "window": args.window, "cache_fraction": report.plan.cache_fraction,
         "cache_bytes_per_token_full": full_bytes,
         "cache_bytes_per_token_compressed": kept_bytes,
         "cache_bytes_per_token_measured": result.cache_bytes_per_token_measured,
@@ -190,7 +190,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
                  else f"greedy generation: {g['token_agreement']:.1%} of tokens agree, "
                       f"{g['exact_match']:.0%} of continuations identical, first difference "
                       f"after {g['mean_common_prefix']:.1f} tokens on average")
-    print(f"next-token agreement {result.top1_agreement:.1%}; {generated}; "
+    print(f"next-token agreement {result.top1_agreement:.1%}, KL(full ‖ compressed) "
+          f"{result.kl_mean:.4f} nats/token; {generated}; "
           f"{out['seconds']['total']:.0f} s")
     if args.json:
         _write_json(args.json, out)
@@ -221,7 +222,8 @@ def cmd_sweep(args: argparse.Namespace) -> None:
                        args.tokens, args.window, kwargs, checkpoint=args.json)
     result["machine"] = _machine()
     for row in result["rows"]:
-        cells = (" ".join(f"{t} {row['ppl'][t]:8.2f} (x{row['ratio'][t]:.3f})" for t in texts)
+        cells = (" ".join(f"{t} {row['ppl'][t]:8.2f} (x{row['ratio'][t]:.3f}, KL "
+                          f"{row['kl'][t]:.4f}, top-1 {row['top1'][t]:.1%})" for t in texts)
                  if "ppl" in row else row["error"].split(":")[0])
         print(f"{row['basis']:>9}/{row['schedule']:<11} {row['requested']:.2f}  {cells}")
     _write_json(args.json, result)
@@ -275,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the records as JSON")
     p.set_defaults(run=cmd_analyze)
 
-    p = sub.add_parser("eval", help="perplexity and greedy agreement, full vs compressed cache",
+    p = sub.add_parser("eval", help="perplexity, next-token agreement and KL, and greedy "
+                                    "agreement, full vs compressed cache",
                        formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p)
@@ -294,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 
-    p = sub.add_parser("sweep", help="perplexity over cache fractions and plan options",
+    p = sub.add_parser("sweep", help="perplexity, next-token KL and agreement over cache "
+                                     "fractions and plan options",
                        formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p, fraction=False, choice=False)
