@@ -231,6 +231,63 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     print(f"wrote {args.plot}")
 
 
+def _harness_settings(args: argparse.Namespace) -> None:
+    """``lorc lm-eval``'s own options checked, and lm_eval installed, before any model loads."""
+    import importlib.util
+
+    for name in ("docs", "doc_words", "max_length", "batch_size"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise RuntimeError("lorc lm-eval runs EleutherAI's lm-evaluation-harness, which is not "
+                           "installed: pip install 'lorc-fx[harness]' (or pip install lm_eval)")
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> None:
+    from lorc_fx.analysis import analyze
+    from lorc_fx.api import compress
+    from lorc_fx.data.models import load_model, load_tokenizer, user_cache_dir
+    from lorc_fx.data.texts import load_text
+
+    kwargs = _plan_kwargs(args)
+    _harness_settings(args)
+    from lorc_fx.eval.harness import METRICS, documents, harness_scores, write_task
+
+    try:
+        docs = documents(load_text(args.text), args.docs, args.doc_words)
+    except ValueError as err:
+        raise ValueError(f"text {args.text!r}: {err}") from None
+    task_dir = args.task_dir or str(user_cache_dir() / "lm-eval")
+    task = write_task(args.text, docs, task_dir)
+    words = sum(len(d.split()) for d in docs)
+    print(f"wrote task {task} ({len(docs)} documents, {words} words) and its data to "
+          f"{task_dir}; any model runs it with: lm_eval --model hf --model_args "
+          f"pretrained=DIR --include_path {task_dir} --tasks {task}")
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    options = dict(max_length=args.max_length, batch_size=args.batch_size)
+    full = harness_scores(model, tokenizer, task, task_dir, compressed=False, **options)
+    report = compress(model, blocks=analyze(model), **kwargs)
+    if report.plan is None:
+        raise ValueError(report.left_alone)
+    compressed = harness_scores(model, tokenizer, task, task_dir, compressed=True, **options)
+    print(f"\n{task} under lm-evaluation-harness (HFLM, windows of {args.max_length} tokens), "
+          f"cache fraction {report.plan.cache_fraction:.3f}:")
+    for metric in METRICS:
+        print(f"  {metric:<16} full {full[metric]:10.4f}  compressed {compressed[metric]:10.4f}"
+              f"  (x{compressed[metric] / full[metric]:.4f})")
+    if args.json:
+        from importlib.metadata import version
+
+        _write_json(args.json, {
+            "task": task, "task_dir": task_dir, "text": args.text, "documents": len(docs),
+            "words": words, "max_length": args.max_length, "full": full,
+            "compressed": compressed, "cache_fraction": report.plan.cache_fraction,
+            "plan": report.to_json(), "lm_eval": version("lm_eval"),
+            "seconds": time.perf_counter() - start, "machine": _machine()})
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from lorc_fx.eval.demo import run_demo
 
@@ -314,6 +371,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results, written after every row; a rerun resumes from it")
     p.add_argument("--plot", default="sweep.png", help="PNG of perplexity ratio by fraction")
     p.set_defaults(run=cmd_sweep)
+
+    p = sub.add_parser("lm-eval", help="word perplexity under EleutherAI's lm-evaluation-"
+                                       "harness, uncompressed vs compressed (needs lm_eval)",
+                       formatter_class=_SHOW_DEFAULTS,
+                       description="Rolling log-likelihood (word and byte perplexity, bits "
+                                   "per byte) of the model through lm_eval's HFLM, first "
+                                   "uncompressed, then compressed (its forward through the "
+                                   "latent cache), on a local task written from a text's "
+                                   "evaluation part. Nothing is downloaded.")
+    _add_model(p)
+    _add_plan_options(p)
+    p.add_argument("--text", default="news",
+                   help="news | austen | pydoc | code | poems | a UTF-8 text file")
+    p.add_argument("--docs", type=int, default=8, help="documents scored")
+    p.add_argument("--doc-words", type=int, default=300,
+                   help="least words per document (consecutive evaluation paragraphs)")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="tokens per rolling window the harness scores")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward")
+    p.add_argument("--task-dir", default=None,
+                   help="where the task YAML and its JSON lines are written (None: "
+                        "lm-eval/ in lorc_fx's cache)")
+    p.add_argument("--json", help="write the results as JSON")
+    p.set_defaults(run=cmd_lm_eval)
 
     p = sub.add_parser("demo", help="plan, quality and compiled speed on the default model",
                        formatter_class=_SHOW_DEFAULTS)

@@ -47,6 +47,9 @@ def test_analyze_json(model_dir, tmp_path):
     ("eval", ["--new-tokens", "0"], "new_tokens must be an integer >= 1"),
     ("sweep", ["--fractions", "0.5,2"], "--fractions must be numbers in (0, 1]"),
     ("demo", ["--cache-fraction", "0"], "cache_fraction must be a number in (0, 1]"),
+    ("lm-eval", ["--docs", "0"], "--docs must be an integer >= 1, got 0"),
+    ("lm-eval", ["--max-length", "-2"], "--max-length must be an integer >= 1, got -2"),
+    ("lm-eval", ["--cache-fraction", "2"], "cache_fraction must be a number in (0, 1]"),
 ])
 def test_invalid_options_exit_2_before_the_model_loads(tmp_path, command, args, message, capsys):
     """The model path does not exist: a message about the option proves it was never loaded."""
@@ -54,6 +57,16 @@ def test_invalid_options_exit_2_before_the_model_loads(tmp_path, command, args, 
     assert main([command, *model, *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "not a model directory" not in err
+
+
+def test_lm_eval_without_the_harness_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
+    assert main(["lm-eval", "--model", str(tmp_path / "never-loaded")]) == 2
+    assert "pip install 'lorc-fx[harness]'" in capsys.readouterr().err
 
 
 def test_every_option_is_explained_with_its_default():
