@@ -265,7 +265,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
           f"{task_dir}; any model runs it with: lm_eval --model hf --model_args "
           f"pretrained=DIR --include_path {task_dir} --tasks {task}")
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)  # a directory without one fails before the model loads
+    model = load_model(args.model)
     options = dict(max_length=args.max_length, batch_size=args.batch_size)
     full = harness_scores(model, tokenizer, task, task_dir, compressed=False, **options)
     report = compress(model, blocks=analyze(model), **kwargs)
