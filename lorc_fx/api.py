@@ -20,6 +20,7 @@ from torch import nn
 from lorc_fx.analysis import analyze
 from lorc_fx.analysis.capture import NoTokenInputs
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
+from lorc_fx.analysis.sharding import model_split
 from lorc_fx.cache import install, layers_kept_as_built
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.bases import resolve
@@ -84,7 +85,7 @@ def _plan_mode(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
     split search measures anyway), its held-out calibration loss."""
     basis, metrics, note = resolve(options.basis, model, blocks, options)
     options = replace(options, basis=basis)
-    inputs = layer_inputs(named_params(model), blocks)
+    inputs = layer_inputs(named_params(model), blocks, options.shards)
     kept = layers_kept_as_built(getattr(model, "config", None))
     block_of = {b.layer: b for b in blocks}
     for layer in inputs:
@@ -117,18 +118,35 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     rank_multiple: int = 8, key_fraction: float | None = None,
                     calibration: CalibrationOptions | None = None,
                     objective: str = "quality", latent_bits: int = 16,
-                    latent_group: int = 32) -> PlanOptions:
+                    latent_group: int = 32, shards: int | None = None) -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
-    mode :func:`rope_modes` tries."""
+    mode :func:`rope_modes` tries; ``shards=None`` as 1 (:func:`plan` takes a tensor-parallel
+    model's split)."""
     if rope not in ("auto", *ROPE_MODES):
         raise ValueError(f"unknown rope mode {rope!r}; choose from {['auto', *ROPE_MODES]}")
+    if shards is not None and shards != 1 and rope == "reconstruct":
+        raise ValueError("rope='reconstruct' has no per-shard form yet (shards > 1): each "
+                         "process would keep its own RoPE angle log; use rope='commute'")
     return PlanOptions(cache_fraction=cache_fraction, schedule=schedule,
                        rope="commute" if rope == "auto" else rope, basis=basis,
                        skip_threshold=skip_threshold, keep_first=keep_first,
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
                        calibration=calibration or CalibrationOptions(), objective=objective,
-                       latent_bits=latent_bits, latent_group=latent_group)
+                       latent_bits=latent_bits, latent_group=latent_group,
+                       shards=1 if shards is None else shards)
+
+
+def _shards(blocks: list[AttentionBlock], asked: int | None) -> int:
+    """The plan's shards: the tensor-parallel split of the blocks where there is one (a
+    different ``asked`` is refused), else ``asked`` (default 1)."""
+    split = model_split(blocks)
+    if split is None:
+        return 1 if asked is None else asked
+    if asked is not None and asked != split.count:
+        raise ValueError(f"shards={asked}, but the model is split over {split.count} "
+                         "tensor-parallel processes; leave shards unset or give that split")
+    return split.count
 
 
 def _require_attention(model: nn.Module, blocks: list[AttentionBlock]) -> None:
@@ -151,7 +169,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
          rope: str = "auto", basis: str = "auto", skip_threshold: float | None = None,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
          calibration: CalibrationOptions | None = None, objective: str = "quality",
-         latent_bits: int = 16, latent_group: int = 32,
+         latent_bits: int = 16, latent_group: int = 32, shards: int | None = None,
          blocks: list[AttentionBlock] | None = None) -> Plan:
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V
     cache (default 0.6), or, with ``max_ppl_increase=t``, the smallest fraction on a grid of
@@ -175,18 +193,37 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     ``objective="speed"`` plans ``commute`` only. The plan's options record the basis and
     mode used. A model without attention
     the analysis can compress raises :class:`NoAttentionFound`.
+
+    ``shards`` > 1 makes every basis block-diagonal over that many equal groups of KV heads,
+    the same rank in each (the whole-model plan a tensor-parallel model is cached by, each
+    process holding its heads' latents). On a model loaded tensor-parallel (``tp_plan``) it
+    is the model's split (``None``: taken from the model); every process plans the same
+    whole-model plan from the gathered K/V weights (collectives, so call it on every
+    process). Per-shard plans take ``rope='commute'`` and bases other than ``attention``
+    (``basis='auto'`` is then ``whitened``, with a warning).
     """
     check_target(max_ppl_increase, cache_fraction)
-    options = checked_options(0.6 if cache_fraction is None else cache_fraction,
-                              schedule=schedule, rope=rope, basis=basis,
-                              skip_threshold=skip_threshold, keep_first=keep_first,
-                              rank_multiple=rank_multiple, key_fraction=key_fraction,
-                              calibration=calibration, objective=objective,
-                              latent_bits=latent_bits, latent_group=latent_group)
+    fraction = 0.6 if cache_fraction is None else cache_fraction
+    checked_options(fraction, schedule=schedule, rope=rope, basis=basis,
+                    skip_threshold=skip_threshold, keep_first=keep_first,
+                    rank_multiple=rank_multiple, key_fraction=key_fraction,
+                    calibration=calibration, objective=objective, latent_bits=latent_bits,
+                    latent_group=latent_group, shards=shards)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)
-    modes = rope_modes(rope, model, blocks, objective)
+    shards = _shards(blocks, shards)
+    if shards > 1 and basis == "auto":
+        log.warning("basis 'auto' over %d shards of the KV heads uses 'whitened': the "
+                    "attention-aware basis has no per-shard form yet", shards)
+        basis = "whitened"
+    options = checked_options(fraction, schedule=schedule, rope=rope, basis=basis,
+                              skip_threshold=skip_threshold, keep_first=keep_first,
+                              rank_multiple=rank_multiple, key_fraction=key_fraction,
+                              calibration=calibration, objective=objective,
+                              latent_bits=latent_bits, latent_group=latent_group, shards=shards)
+    modes = ["commute"] if shards > 1 and rope == "auto" else rope_modes(rope, model, blocks,
+                                                                          objective)
     measure = len(modes) > 1 or max_ppl_increase is not None
     first = None
     if basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None:
@@ -298,7 +335,7 @@ def save_plan(source: nn.Module | Plan | CompressionReport, path: str | os.PathL
     if isinstance(source, CompressionReport):
         source = source.plan
     if isinstance(source, nn.Module):
-        planned = getattr(source, "_lorc_plan", None)
+        planned = getattr(source, "_lorc_whole_plan", None)
         if planned is None:
             raise ValueError(f"{type(source).__name__} was not compressed: there is no plan to "
                              "save (call lorc_fx.compress(model, ...) first)")
