@@ -57,6 +57,10 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                         "--latent-group tokens; eager dynamic cache only); 16: not quantized")
     p.add_argument("--latent-group", type=int, default=32,
                    help="tokens per quantization group of a latent channel")
+    p.add_argument("--shards", type=int, default=None,
+                   help="bases block-diagonal over this many equal groups of KV heads, the "
+                        "same rank in each (what a tensor-parallel model is cached by); "
+                        "default: the model's tensor-parallel split (--tp), else 1")
     default = CalibrationOptions()
     p.add_argument("--calibration-text", default=",".join(default.texts),
                    help="comma-separated texts the data-aware bases calibrate on: self (text "
@@ -84,6 +88,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
                   calibration=CalibrationOptions(texts=texts, tokens=args.calibration_tokens,
                                                  seed=args.calibration_seed,
                                                  window=args.calibration_window))
+    if getattr(args, "shards", None) is not None:
+        kwargs["shards"] = args.shards
     if hasattr(args, "schedule"):
         kwargs.update(schedule=args.schedule, basis=args.basis)
     fraction = getattr(args, "cache_fraction", None)
@@ -142,6 +148,20 @@ def _machine() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def _tensor_parallel() -> bool:
+    """Join the process group ``torchrun`` set up (gloo on CPU); whether this is rank 0."""
+    import os
+
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:
+        raise ValueError("--tp runs one process per shard: launch it with torchrun, e.g. "
+                         "torchrun --nproc-per-node 2 -m lorc_fx.cli eval --tp ...")
+    if not dist.is_initialized():
+        dist.init_process_group()  # gloo for CPU tensors, nccl for CUDA ones
+    return dist.get_rank() == 0
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from lorc_fx.analysis import analyze
     from lorc_fx.api import compress
@@ -155,11 +175,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
                          "(--cache-fraction, --schedule, --basis, --rope, ...)")
     options = EvalOptions(text=args.text, tokens=args.tokens, window=args.window,
                           prompts=args.prompts, new_tokens=args.new_tokens, compile=args.compile)
+    lead = _tensor_parallel() if args.tp else True  # only one process prints and writes
     text = load_text(args.text)
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
     evaluation_inputs(tokenizer, text, options)  # a text too short fails before the model loads
-    model = load_model(args.model)
+    model = load_model(args.model, tp_plan="auto" if args.tp else None)
     blocks = analyze(model)
     loaded = time.perf_counter()
     report = (compress(model, blocks=blocks, plan=args.plan) if args.plan
@@ -182,6 +203,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
                     **result.seconds, "total": time.perf_counter() - start},
         "machine": _machine(),
     }
+    if not lead:
+        return
+    if args.tp:
+        shard_full, shard_kept = report.cache_bytes_per_token_per_shard()
+        out["cache_bytes_per_token_per_shard_full"] = shard_full
+        out["cache_bytes_per_token_per_shard_compressed"] = shard_kept
+        print(f"tensor parallel over {report.plan.options.shards} processes: each caches "
+              f"{shard_kept}/{shard_full} bytes per token (its own KV heads' latents; "
+              "measured per process: cache_bytes_per_token_measured)")
     g = result.generation
     print(f"{args.text}: perplexity {result.ppl_full:.3f} full, {result.ppl_compressed:.3f} "
           f"compressed (x{result.ppl_ratio:.4f}) at cache fraction "
@@ -350,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="score compiled: the full cache with Inductor, the latent cache "
                         "with lorc_backend")
+    p.add_argument("--tp", action="store_true",
+                   help="load the model tensor-parallel (transformers' tp_plan='auto') over the "
+                        "processes torchrun starts; each caches its own KV heads' latents")
     p.add_argument("--plan", help="install the plan `lorc plan --save` wrote (no calibrating or "
                                   "planning; it must be this model's); plan options are refused")
     p.add_argument("--json", help="write the results as JSON")
