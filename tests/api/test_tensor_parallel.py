@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 import lorc_fx
