@@ -56,12 +56,12 @@ def runs(models, tmp_path_factory) -> dict[str, list[dict]]:
             for family in ("llama", "qwen2")}
 
 
-def _single(directory: str, fraction: float | None):
+def _single(directory: str, fraction: float | None, basis: str = "weight"):
     """(tokens, report) of the single-process model, compressed with the per-shard plan."""
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
     report = None
     if fraction is not None:
-        report = lorc_fx.compress(model, cache_fraction=fraction, basis="weight", shards=WORLD)
+        report = tp_worker.compress(model, fraction, basis, shards=WORLD)
     return tp_worker.generate(model)[0], report
 
 
@@ -122,3 +122,21 @@ def test_tensor_parallel_compiled_is_exact(models, tmp_path):
     uncompressed, _ = _single(directory, None)
     for rank in runs:
         assert rank["fractions"]["1.0"]["compiled_tokens"] == uncompressed
+
+
+@pytest.mark.slow
+def test_tensor_parallel_whitened_basis_calibrates_on_each_process(models, tmp_path,
+                                                                   monkeypatch):
+    """Each process samples and calibrates on the same (replicated) inputs, so the whitened
+    per-shard plan and its measured key/value split are the single-process one's."""
+    directory = models["llama"]
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "split_cache"))
+    runs = _torchrun(tmp_path / "whitened.json", directory, "--fractions", "0.5",
+                     "--basis", "whitened")
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "single_cache"))  # calibrates anew
+    tokens, report = _single(directory, 0.5, "whitened")
+    for rank in runs:
+        seen = rank["fractions"]["0.5"]
+        assert seen["tokens"] == tokens
+        assert [tuple(r) for r in seen["ranks"]] == [(l.k_rank, l.v_rank)
+                                                    for l in report.plan.layers]
