@@ -67,17 +67,18 @@ def main() -> None:
                       f"rope {o.rope}, key fraction {o.key_fraction:.3f}", flush=True)
                 for t in texts:
                     t1 = time.perf_counter()
-                    c = score_windows(model, windows[t], True)
-                    agree = (c.predictions == full[t].predictions).float().mean().item()
+                    c = score_windows(model, windows[t], True, reference=model)
+                    agree = c.top1_agreement
                     row = {"source": source, "calibration_tokens": calibration.tokens,
                            "calibration_window": calibration.window, "fraction": fraction,
                            "text": t, "tokens": args.tokens, "ppl_full": full[t].ppl,
                            "ppl": c.ppl, "ratio": c.ppl / full[t].ppl, "top1": agree,
+                           "kl": c.kl_mean,
                            "plan_seconds": plan_s, "rope": o.rope, "key_fraction": o.key_fraction,
                            "eval_seconds": time.perf_counter() - t1}
                     out.write(json.dumps(row) + "\n")
                     out.flush()
-                    print(f"   {t:7s} x{row['ratio']:.4f} top1 {agree:.3f} "
+                    print(f"   {t:7s} x{row['ratio']:.4f} top1 {agree:.3f} KL {c.kl_mean:.4f} "
                           f"({row['eval_seconds']:.0f} s)", flush=True)
 
 

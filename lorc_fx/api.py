@@ -20,6 +20,7 @@ from torch import nn
 from lorc_fx.analysis import analyze
 from lorc_fx.analysis.capture import NoTokenInputs
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
+from lorc_fx.analysis.sharding import model_split
 from lorc_fx.cache import install, layers_kept_as_built
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.bases import resolve
@@ -87,7 +88,7 @@ def _plan_inputs(model: nn.Module, blocks: list[AttentionBlock], options: PlanOp
     metrics attached) and the basis note."""
     basis, metrics, note = resolve(options.basis, model, blocks, options)
     options = replace(options, basis=basis)
-    inputs = layer_inputs(named_params(model), blocks)
+    inputs = layer_inputs(named_params(model), blocks, options.shards)
     kept = layers_kept_as_built(getattr(model, "config", None))
     block_of = {b.layer: b for b in blocks}
     for layer in inputs:
@@ -133,15 +134,19 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     rank_multiple: int = 8, key_fraction: float | None = None,
                     calibration: CalibrationOptions | None = None,
                     objective: str = "quality", latent_bits: int | str | None = None,
-                    latent_group: int | None = None, bits_per_value: float | None = None
-                    ) -> PlanOptions:
+                    latent_group: int | None = None, bits_per_value: float | None = None,
+                    shards: int | None = None) -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
     mode :func:`rope_modes` tries, ``latent_bits`` "auto" (or ``None`` with
-    ``bits_per_value``) as 16. ``cache_fraction`` (default 0.6) and ``bits_per_value`` are
-    two ways to say the budget: give one."""
+    ``bits_per_value``) as 16; ``shards=None`` as 1 (:func:`plan` takes a tensor-parallel
+    model's split). ``cache_fraction`` (default 0.6) and ``bits_per_value`` are two ways to
+    say the budget: give one."""
     if rope not in ("auto", *ROPE_MODES):
         raise ValueError(f"unknown rope mode {rope!r}; choose from {['auto', *ROPE_MODES]}")
+    if shards is not None and shards != 1 and rope == "reconstruct":
+        raise ValueError("rope='reconstruct' has no per-shard form yet (shards > 1): each "
+                         "process would keep its own RoPE angle log; use rope='commute'")
     if cache_fraction is not None and bits_per_value is not None:
         raise ValueError(f"give cache_fraction or bits_per_value, not both (got cache_fraction="
                          f"{cache_fraction!r}, bits_per_value={bits_per_value!r}): both say the "
@@ -157,7 +162,8 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                        rank_multiple=rank_multiple, key_fraction=key_fraction,
                        calibration=calibration or CalibrationOptions(), objective=objective,
                        latent_bits=16 if searched else latent_bits,
-                       latent_group=LATENT_GROUPS[0] if latent_group is None else latent_group)
+                       latent_group=LATENT_GROUPS[0] if latent_group is None else latent_group,
+                       shards=1 if shards is None else shards)
 
 
 def bit_choices(latent_bits: int | str | None, bits_per_value: float | None) -> tuple[int, ...]:
@@ -186,6 +192,18 @@ def _check_budget(cache_fraction: float | None, bits_per_value: float | None,
                          "chooses the budget")
 
 
+def _shards(blocks: list[AttentionBlock], asked: int | None) -> int:
+    """The plan's shards: the tensor-parallel split of the blocks where there is one (a
+    different ``asked`` is refused), else ``asked`` (default 1)."""
+    split = model_split(blocks)
+    if split is None:
+        return 1 if asked is None else asked
+    if asked is not None and asked != split.count:
+        raise ValueError(f"shards={asked}, but the model is split over {split.count} "
+                         "tensor-parallel processes; leave shards unset or give that split")
+    return split.count
+
+
 def _require_attention(model: nn.Module, blocks: list[AttentionBlock]) -> None:
     if not any(b.supported for b in blocks):
         raise NoAttentionFound(model, blocks)
@@ -208,7 +226,8 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
          keep_first: int = 0, rank_multiple: int = 8, key_fraction: float | None = None,
          calibration: CalibrationOptions | None = None, objective: str = "quality",
          latent_bits: int | str | None = None, latent_group: int | None = None,
-         progress: bool = True, blocks: list[AttentionBlock] | None = None) -> Plan:
+         shards: int | None = None, progress: bool = True,
+         blocks: list[AttentionBlock] | None = None) -> Plan:
     """Per-layer LoRC ranks and bases for ``model`` keeping ``cache_fraction`` of its K/V
     cache (default 0.6), or ``bits_per_value``, or, with ``max_ppl_increase=t``, the smallest
     fraction on a grid of 0.05 whose perplexity on held-out calibration windows is at most
@@ -242,20 +261,34 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     quantization beside them, and keeps the least held-out loss
     (``lorc_fx.search.bits``; ``progress``: a progress bar). ``Plan.candidates`` lists what
     was measured.
+
+    ``shards`` > 1 makes every basis block-diagonal over that many equal groups of KV heads,
+    the same rank in each (the whole-model plan a tensor-parallel model is cached by, each
+    process holding its heads' latents). On a model loaded tensor-parallel (``tp_plan``) it
+    is the model's split (``None``: taken from the model); every process plans the same
+    whole-model plan from the gathered K/V weights (collectives, so call it on every
+    process). Per-shard plans take ``rope='commute'`` and bases other than ``attention``
+    (``basis='auto'`` is then ``whitened``, with a warning).
     """
     _check_budget(cache_fraction, bits_per_value, max_ppl_increase)
-    options = checked_options(cache_fraction, schedule=schedule, rope=rope, basis=basis,
-                              skip_threshold=skip_threshold, keep_first=keep_first,
-                              rank_multiple=rank_multiple, key_fraction=key_fraction,
-                              calibration=calibration, objective=objective,
-                              latent_bits=latent_bits, latent_group=latent_group,
-                              bits_per_value=bits_per_value)
+    common = dict(schedule=schedule, rope=rope, skip_threshold=skip_threshold,
+                  keep_first=keep_first, rank_multiple=rank_multiple, key_fraction=key_fraction,
+                  calibration=calibration, objective=objective, latent_bits=latent_bits,
+                  latent_group=latent_group, bits_per_value=bits_per_value)
+    checked_options(cache_fraction, basis=basis, shards=shards, **common)
     widths = bit_choices(latent_bits, bits_per_value)
     groups = group_choices(latent_group, widths)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)
-    modes = rope_modes(rope, model, blocks, objective)
+    shards = _shards(blocks, shards)
+    if shards > 1 and basis == "auto":
+        log.warning("basis 'auto' over %d shards of the KV heads uses 'whitened': the "
+                    "attention-aware basis has no per-shard form yet", shards)
+        basis = "whitened"
+    options = checked_options(cache_fraction, basis=basis, shards=shards, **common)
+    modes = ["commute"] if shards > 1 and rope == "auto" else rope_modes(rope, model, blocks,
+                                                                          objective)
     measure = len(modes) > 1 or len(widths) > 1 or max_ppl_increase is not None
     first = None
     if basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None \
@@ -383,7 +416,7 @@ def save_plan(source: nn.Module | Plan | CompressionReport, path: str | os.PathL
     if isinstance(source, CompressionReport):
         source = source.plan
     if isinstance(source, nn.Module):
-        planned = getattr(source, "_lorc_plan", None)
+        planned = getattr(source, "_lorc_whole_plan", None)
         if planned is None:
             raise ValueError(f"{type(source).__name__} was not compressed: there is no plan to "
                              "save (call lorc_fx.compress(model, ...) first)")

@@ -68,6 +68,10 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
     p.add_argument("--latent-group", type=int, default=None,
                    help="tokens per quantization group of a latent channel; None: 32, and "
                         "with --latent-bits auto both 32 and 64 are measured")
+    p.add_argument("--shards", type=int, default=None,
+                   help="bases block-diagonal over this many equal groups of KV heads, the "
+                        "same rank in each (what a tensor-parallel model is cached by); "
+                        "default: the model's tensor-parallel split (--tp), else 1")
     default = CalibrationOptions()
     p.add_argument("--calibration-text", default=",".join(default.texts),
                    help="comma-separated texts the data-aware bases calibrate on: self (text "
@@ -105,6 +109,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
                   calibration=CalibrationOptions(texts=texts, tokens=args.calibration_tokens,
                                                  seed=args.calibration_seed,
                                                  window=args.calibration_window))
+    if getattr(args, "shards", None) is not None:
+        kwargs["shards"] = args.shards
     if hasattr(args, "schedule"):
         kwargs.update(schedule=args.schedule, basis=args.basis)
     fraction = getattr(args, "cache_fraction", None)
@@ -165,6 +171,20 @@ def _machine() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def _tensor_parallel() -> bool:
+    """Join the process group ``torchrun`` set up (gloo on CPU); whether this is rank 0."""
+    import os
+
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" not in os.environ:
+        raise ValueError("--tp runs one process per shard: launch it with torchrun, e.g. "
+                         "torchrun --nproc-per-node 2 -m lorc_fx.cli eval --tp ...")
+    if not dist.is_initialized():
+        dist.init_process_group()  # gloo for CPU tensors, nccl for CUDA ones
+    return dist.get_rank() == 0
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from lorc_fx.analysis import analyze
     from lorc_fx.api import compress
@@ -178,11 +198,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
                          "(--cache-fraction, --schedule, --basis, --rope, ...)")
     options = EvalOptions(text=args.text, tokens=args.tokens, window=args.window,
                           prompts=args.prompts, new_tokens=args.new_tokens, compile=args.compile)
+    lead = _tensor_parallel() if args.tp else True  # only one process prints and writes
     text = load_text(args.text)
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
     evaluation_inputs(tokenizer, text, options)  # a text too short fails before the model loads
-    model = load_model(args.model)
+    model = load_model(args.model, tp_plan="auto" if args.tp else None)
     blocks = analyze(model)
     loaded = time.perf_counter()
     report = (compress(model, blocks=blocks, plan=args.plan) if args.plan
@@ -195,8 +216,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out = {
         "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
         "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement,
-        "generation": result.generation, "text": args.text, "tokens": args.tokens,
-        "window": args.window, "cache_fraction": report.plan.cache_fraction,
+        "kl_mean": result.kl_mean, "generation": result.generation, "text": args.text,
+        "tokens": args.tokens, "window": args.window, "cache_fraction": report.plan.cache_fraction,
         "bits_per_value": result.bits_per_value_measured,
         "bits_per_value_plan": report.plan.bits_per_value,
         "cache_bytes_per_token_full": full_bytes,
@@ -207,6 +228,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
                     **result.seconds, "total": time.perf_counter() - start},
         "machine": _machine(),
     }
+    if not lead:
+        return
+    if args.tp:
+        shard_full, shard_kept = report.cache_bytes_per_token_per_shard()
+        out["cache_bytes_per_token_per_shard_full"] = shard_full
+        out["cache_bytes_per_token_per_shard_compressed"] = shard_kept
+        print(f"tensor parallel over {report.plan.options.shards} processes: each caches "
+              f"{shard_kept}/{shard_full} bytes per token (its own KV heads' latents; "
+              "measured per process: cache_bytes_per_token_measured)")
     g = result.generation
     print(f"{args.text}: perplexity {result.ppl_full:.3f} full, {result.ppl_compressed:.3f} "
           f"compressed (x{result.ppl_ratio:.4f}) at cache fraction "
@@ -216,7 +246,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
                  else f"greedy generation: {g['token_agreement']:.1%} of tokens agree, "
                       f"{g['exact_match']:.0%} of continuations identical, first difference "
                       f"after {g['mean_common_prefix']:.1f} tokens on average")
-    print(f"next-token agreement {result.top1_agreement:.1%}; {generated}; "
+    print(f"next-token agreement {result.top1_agreement:.1%}, KL(full ‖ compressed) "
+          f"{result.kl_mean:.4f} nats/token; {generated}; "
           f"{out['seconds']['total']:.0f} s")
     if args.json:
         _write_json(args.json, out)
@@ -247,12 +278,71 @@ def cmd_sweep(args: argparse.Namespace) -> None:
                        args.tokens, args.window, kwargs, checkpoint=args.json)
     result["machine"] = _machine()
     for row in result["rows"]:
-        cells = (" ".join(f"{t} {row['ppl'][t]:8.2f} (x{row['ratio'][t]:.3f})" for t in texts)
+        cells = (" ".join(f"{t} {row['ppl'][t]:8.2f} (x{row['ratio'][t]:.3f}, KL "
+                          f"{row['kl'][t]:.4f}, top-1 {row['top1'][t]:.1%})" for t in texts)
                  if "ppl" in row else row["error"].split(":")[0])
         print(f"{row['basis']:>9}/{row['schedule']:<11} {row['requested']:.2f}  {cells}")
     _write_json(args.json, result)
     plot_sweep(result, args.plot)
     print(f"wrote {args.plot}")
+
+
+def _harness_settings(args: argparse.Namespace) -> None:
+    """``lorc lm-eval``'s own options checked, and lm_eval installed, before any model loads."""
+    import importlib.util
+
+    for name in ("docs", "doc_words", "max_length", "batch_size"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
+    if importlib.util.find_spec("lm_eval") is None:
+        raise RuntimeError("lorc lm-eval runs EleutherAI's lm-evaluation-harness, which is not "
+                           "installed: pip install 'lorc-fx[harness]' (or pip install lm_eval)")
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> None:
+    from lorc_fx.analysis import analyze
+    from lorc_fx.api import compress
+    from lorc_fx.data.models import load_model, load_tokenizer, user_cache_dir
+    from lorc_fx.data.texts import load_text
+
+    kwargs = _plan_kwargs(args)
+    _harness_settings(args)
+    from lorc_fx.eval.harness import METRICS, documents, harness_scores, write_task
+
+    try:
+        docs = documents(load_text(args.text), args.docs, args.doc_words)
+    except ValueError as err:
+        raise ValueError(f"text {args.text!r}: {err}") from None
+    task_dir = args.task_dir or str(user_cache_dir() / "lm-eval")
+    task = write_task(args.text, docs, task_dir)
+    words = sum(len(d.split()) for d in docs)
+    print(f"wrote task {task} ({len(docs)} documents, {words} words) and its data to "
+          f"{task_dir}; any model runs it with: lm_eval --model hf --model_args "
+          f"pretrained=DIR --include_path {task_dir} --tasks {task}")
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)  # a directory without one fails before the model loads
+    model = load_model(args.model)
+    options = dict(max_length=args.max_length, batch_size=args.batch_size)
+    full = harness_scores(model, tokenizer, task, task_dir, compressed=False, **options)
+    report = compress(model, blocks=analyze(model), **kwargs)
+    if report.plan is None:
+        raise ValueError(report.left_alone)
+    compressed = harness_scores(model, tokenizer, task, task_dir, compressed=True, **options)
+    print(f"\n{task} under lm-evaluation-harness (HFLM, windows of {args.max_length} tokens), "
+          f"cache fraction {report.plan.cache_fraction:.3f}:")
+    for metric in METRICS:
+        print(f"  {metric:<16} full {full[metric]:10.4f}  compressed {compressed[metric]:10.4f}"
+              f"  (x{compressed[metric] / full[metric]:.4f})")
+    if args.json:
+        from importlib.metadata import version
+
+        _write_json(args.json, {
+            "task": task, "task_dir": task_dir, "text": args.text, "documents": len(docs),
+            "words": words, "max_length": args.max_length, "full": full,
+            "compressed": compressed, "cache_fraction": report.plan.cache_fraction,
+            "plan": report.to_json(), "lm_eval": version("lm_eval"),
+            "seconds": time.perf_counter() - start, "machine": _machine()})
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -301,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the records as JSON")
     p.set_defaults(run=cmd_analyze)
 
-    p = sub.add_parser("eval", help="perplexity and greedy agreement, full vs compressed cache",
+    p = sub.add_parser("eval", help="perplexity, next-token agreement and KL, and greedy "
+                                    "agreement, full vs compressed cache",
                        formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p)
@@ -315,12 +406,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="score compiled: the full cache with Inductor, the latent cache "
                         "with lorc_backend")
+    p.add_argument("--tp", action="store_true",
+                   help="load the model tensor-parallel (transformers' tp_plan='auto') over the "
+                        "processes torchrun starts; each caches its own KV heads' latents")
     p.add_argument("--plan", help="install the plan `lorc plan --save` wrote (no calibrating or "
                                   "planning; it must be this model's); plan options are refused")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 
-    p = sub.add_parser("sweep", help="perplexity over cache fractions and plan options",
+    p = sub.add_parser("sweep", help="perplexity, next-token KL and agreement over cache "
+                                     "fractions and plan options",
                        formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
     _add_plan_options(p, fraction=False, choice=False)
@@ -336,6 +431,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results, written after every row; a rerun resumes from it")
     p.add_argument("--plot", default="sweep.png", help="PNG of perplexity ratio by fraction")
     p.set_defaults(run=cmd_sweep)
+
+    p = sub.add_parser("lm-eval", help="word perplexity under EleutherAI's lm-evaluation-"
+                                       "harness, uncompressed vs compressed (needs lm_eval)",
+                       formatter_class=_SHOW_DEFAULTS,
+                       description="Rolling log-likelihood (word and byte perplexity, bits "
+                                   "per byte) of the model through lm_eval's HFLM, first "
+                                   "uncompressed, then compressed (its forward through the "
+                                   "latent cache), on a local task written from a text's "
+                                   "evaluation part. Nothing is downloaded.")
+    _add_model(p)
+    _add_plan_options(p)
+    p.add_argument("--text", default="news",
+                   help="news | austen | pydoc | code | poems | a UTF-8 text file")
+    p.add_argument("--docs", type=int, default=8, help="documents scored")
+    p.add_argument("--doc-words", type=int, default=300,
+                   help="least words per document (consecutive evaluation paragraphs)")
+    p.add_argument("--max-length", type=int, default=512,
+                   help="tokens per rolling window the harness scores")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward")
+    p.add_argument("--task-dir", default=None,
+                   help="where the task YAML and its JSON lines are written (None: "
+                        "lm-eval/ in lorc_fx's cache)")
+    p.add_argument("--json", help="write the results as JSON")
+    p.set_defaults(run=cmd_lm_eval)
 
     p = sub.add_parser("demo", help="plan, quality and compiled speed on the default model",
                        formatter_class=_SHOW_DEFAULTS)

@@ -32,6 +32,9 @@ def plan_table(plan: Plan) -> str:
     lines.append(f"basis: {basis_description(plan)}")
     if plan.fraction_search:
         lines.append(f"fraction: {fraction_description(plan.fraction_search)}")
+    if o.shards > 1:
+        lines.append(f"bases block-diagonal over {o.shards} shards of the KV heads (ranks are "
+                     f"whole-layer figures: each shard keeps 1/{o.shards} of them, on its own heads)")
     if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):
         lines.append(
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
@@ -116,6 +119,14 @@ class CompressionReport:
             return 0, 0
         return self.plan.cache_bytes_per_token(self.dtype_bytes)
 
+    def cache_bytes_per_token_per_shard(self) -> tuple[int, int | float]:
+        """(full, compressed) cache bytes per token per sequence that each of the plan's
+        ``shards`` holds (each tensor-parallel process its own KV heads' latents); with one
+        shard, the whole model's."""
+        if self.plan is None:
+            return 0, 0
+        return self.plan.local(0).cache_bytes_per_token(self.dtype_bytes)
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write the plan to ``path`` (``lorc_fx.save_plan``); ``compress(model, plan=path)``
         installs it again without planning. Returns the file written."""
@@ -123,9 +134,12 @@ class CompressionReport:
 
     def to_json(self) -> dict:
         full, kept = self.cache_bytes_per_token()
+        shard_full, shard_kept = self.cache_bytes_per_token_per_shard()
         plan = self.plan.to_json() if self.plan is not None else {"left_alone": self.left_alone}
         return {**plan, "cache_bytes_per_token_full": full,
                 "cache_bytes_per_token_compressed": kept,
+                "cache_bytes_per_token_per_shard_full": shard_full,
+                "cache_bytes_per_token_per_shard_compressed": shard_kept,
                 "unsupported": [{"layer": l, "reason": r} for l, r in self.unsupported]}
 
     def __str__(self) -> str:
@@ -136,6 +150,12 @@ class CompressionReport:
             lines = [plan_table(self.plan),
                      f"cache bytes per token: {full} full, {kept:g} compressed "
                      f"({kept / full:.3f})"]
+            shards = self.plan.options.shards
+            if shards > 1:
+                shard_full, shard_kept = self.cache_bytes_per_token_per_shard()
+                lines.append(f"  per shard (each of {shards} tensor-parallel processes caches "
+                             f"its own KV heads' latents): {shard_full} full, {shard_kept} "
+                             "compressed")
         lines += [f"layer {l} left uncompressed: {r}" for l, r in self.unsupported]
         return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from torch.fx import Node
 from .fx_ops import arg, op_name, shape, strip_identity, scalar_constant
 
 _TRANSPOSES = frozenset({"t", "transpose"})
+_LOCAL_SHARD = "to_local"  # a tensor-parallel weight read as this process's shard
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class LinearNode:
 def param_name(node, param_names: dict[str, str]) -> str | None:
     """Parameter name of a placeholder / get_attr node (through casts), else ``None``."""
     node = strip_identity(node)
+    if op_name(node) == _LOCAL_SHARD and node.args and isinstance(node.args[0], Node):
+        node = strip_identity(node.args[0])
     if not isinstance(node, Node):
         return None
     if node.op == "placeholder":

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.fx import Node
 
+from .sharding import Sharding, local_tensor
+
 
 @dataclass(frozen=True)
 class Projection:
@@ -56,14 +58,15 @@ class Projection:
         return t[torch.tensor(self.rows, device=t.device)]
 
     def weight_tensor(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        w = params[self.weight]
+        """This process's rows (its shard of a tensor-parallel weight, whose graph it is)."""
+        w = local_tensor(params[self.weight])
         w = w.t() if self.transposed else w
         return self._select(w)
 
     def bias_tensor(self, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
         if self.bias is None:
             return None
-        return self._select(params[self.bias])
+        return self._select(local_tensor(params[self.bias]))
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,9 @@ class AttentionBlock:
     supported: bool = True
     reason: str = ""
     notes: dict = field(default_factory=dict)
+    # tensor parallel: which shard of the K/V heads this process holds; heads, rows and
+    # projections above are this process's (None: the weights are whole here)
+    sharding: Sharding | None = None
     nodes: GraphNodes | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers.cache_utils import DynamicCache, StaticCache
 
 from lorc_fx.analysis.records import AttentionBlock, attention_module
-from lorc_fx.plan.planner import Plan
+from lorc_fx.plan.planner import Plan, process_plan
 
 from .latent_cache import LatentCache
 
@@ -85,8 +85,11 @@ def _save_pretrained_plain(self, *args, **kwargs):
 
 
 def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
-    """Make ``model.generate`` cache latents of ``plan`` (replacing an earlier install)."""
-    model._lorc_plan = plan
+    """Make ``model.generate`` cache latents of ``plan`` (replacing an earlier install); a
+    tensor-parallel process caches its own shard's (``_lorc_plan``), and keeps the whole
+    plan (``_lorc_whole_plan``) to save."""
+    model._lorc_whole_plan = plan
+    model._lorc_plan = plan = process_plan(plan, blocks)
     for handle in getattr(model, "_lorc_hooks", []):
         handle.remove()
     model._lorc_hooks = _angle_hooks(model, blocks, plan)

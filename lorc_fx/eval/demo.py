@@ -1,9 +1,10 @@
 """``lorc demo``: the whole story on the default model in a few minutes.
 
 Plan at a cache fraction, show the per-layer ranks and cache bytes per token, perplexity full
-vs compressed on news, a side-by-side greedy generation, and compiled decode speed: the
-compressed model under ``lorc_backend`` against the uncompressed one under Inductor. Both
-decode with a static cache, so each compiles two graphs (prefill and one decode step).
+vs compressed on news (with next-token agreement and KL), a side-by-side greedy generation,
+and compiled decode speed: the compressed model under ``lorc_backend`` against the
+uncompressed one under Inductor. Both decode with a static cache, so each compiles two graphs
+(prefill and one decode step).
 Everything lands in a report directory as JSON and PNGs.
 """
 from __future__ import annotations
@@ -79,10 +80,11 @@ def run_demo(cache_fraction: float, out_dir: str, plan_options: dict, tokens: in
     seconds["evaluate"] = time.perf_counter() - start
     ppl = {"text": "news", "tokens": tokens, "cache_fraction": report.plan.cache_fraction,
            "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
-           "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement}
+           "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement,
+           "kl_mean": result.kl_mean}
     log(f"\nperplexity on news ({tokens} tokens): full {result.ppl_full:.2f}, compressed "
         f"{result.ppl_compressed:.2f} (x{result.ppl_ratio:.3f}); next-token agreement "
-        f"{result.top1_agreement:.1%}")
+        f"{result.top1_agreement:.1%}, KL from full {result.kl_mean:.4f} nats/token")
     sample = result.generation["samples"][0]
     log(f"\nprompt: {sample['prompt']!r}\n  full cache: {sample['full']!r}\n"
         f"  compressed: {sample['compressed']!r}")

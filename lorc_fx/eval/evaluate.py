@@ -4,6 +4,9 @@
   use_cache=True)`` stores ``P·k`` and gives attention ``Pᵀ·c``, so every token of a window
   attends to compressed keys and values exactly as in decoding;
 - next-token agreement: how often the compressed model's argmax equals the full model's;
+- next-token KL divergence KL(full ‖ compressed), per token in nats, from both models'
+  log-softmax in float64: perplexity alone can stay flat (or even improve) while the
+  distribution, and so the model's answers, move;
 - greedy generation from fixed prompts, uncompressed vs compressed: the share of generated
   tokens that agree position by position, and how many continuations agree entirely;
 - cache bytes per token and bits per cached K/V value, from the plan and measured on the
@@ -53,6 +56,7 @@ class EvalResult:
     ppl_full: float
     ppl_compressed: float
     top1_agreement: float  # next-token argmax, compressed vs full, over the windows
+    kl_mean: float  # mean next-token KL(full ‖ compressed) over the same positions, nats
     generation: dict
     cache_bytes_per_token_measured: float
     bits_per_value_measured: float = 0.0  # from the latent cache's tensors, floats at 16 bits
@@ -93,18 +97,28 @@ def prompts_from(tokenizer, text: str, count: int) -> list[torch.Tensor]:
 @dataclass
 class WindowScores:
     ppl: float
-    predictions: torch.Tensor  # (windows, window - 1) argmax next tokens
     cache_bytes_per_token: float  # measured on the latent cache; 0 for the full cache
     bits_per_value: float = 0.0  # measured on the latent cache (LatentCache.bits_per_value)
+    top1_agreement: float | None = None  # with a reference: share of argmaxes equal to its
+    kl_mean: float | None = None  # with a reference: mean KL(reference ‖ model) per token, nats
+
+
+def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference ‖ model) of every position's next-token distribution, in nats, from the
+    log-softmax of both in float64 (float32 loses the small divergences of a good plan)."""
+    ref, got = reference_logits.double().log_softmax(-1), logits.double().log_softmax(-1)
+    return (ref.exp() * (ref - got)).sum(-1)
 
 
 @torch.no_grad()
 def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
-                  batch_size: int = 2) -> WindowScores:
-    """Perplexity and greedy next-token predictions over ``windows``, through the plain
-    forward or (``compressed``) a fresh latent cache per batch."""
+                  batch_size: int = 2, reference: nn.Module | None = None) -> WindowScores:
+    """Perplexity over ``windows``, through the plain forward or (``compressed``) a fresh
+    latent cache per batch. With ``reference`` (a runner of the uncompressed model: its plain
+    forward), every batch also runs through it, for next-token argmax agreement and KL
+    divergence from it over the same positions."""
     device = next(model.parameters()).device
-    total, count, cache_bytes, predictions = 0.0, 0, 0, []
+    total, count, cache_bytes, same, kl = 0.0, 0, 0, 0, 0.0
     cache_bits = cached_values = 0
     for batch in windows.split(batch_size):
         batch = batch.to(device)
@@ -120,10 +134,15 @@ def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
         total += float(torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
         count += batch[:, 1:].numel()
-        predictions.append(logits.argmax(-1).cpu())
-    return WindowScores(math.exp(total / count), torch.cat(predictions),
+        if reference is not None:
+            full = reference(batch, use_cache=False).logits[:, :-1]
+            same += int((logits.argmax(-1) == full.argmax(-1)).sum())
+            kl += sum(float(next_token_kl(f, c).sum()) for f, c in zip(full, logits))  # a window
+            # at a time: float64 log-probs of a 512-token window of a 49k vocabulary are 200 MB
+    compared = {} if reference is None else {"top1_agreement": same / count, "kl_mean": kl / count}
+    return WindowScores(math.exp(total / count),
                         cache_bytes / windows.numel() if compressed else 0.0,
-                        cache_bits / cached_values if cached_values else 0.0)
+                        cache_bits / cached_values if cached_values else 0.0, **compared)
 
 
 @torch.no_grad()
@@ -166,8 +185,11 @@ def evaluation_inputs(tokenizer, text: str, options: EvalOptions
 
 
 def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None = None) -> EvalResult:
-    """Perplexity and greedy agreement of a model prepared by ``lorc_fx.compress`` (its
-    uncompressed path is the plain forward / a plain cache), on the text ``text``."""
+    """Perplexity, next-token agreement and KL, and greedy agreement of a model prepared by
+    ``lorc_fx.compress`` (its uncompressed path is the plain forward / a plain cache), on the
+    text ``text``. Agreement and KL compare with the eager plain forward, run beside the
+    compressed one batch by batch (full-vocabulary logits of every window are too large to
+    keep)."""
     options = options or EvalOptions()
     windows, prompts = evaluation_inputs(tokenizer, text, options)
     full_runner = comp_runner = model
@@ -182,10 +204,9 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
     seconds["ppl_full"] = time.perf_counter() - start
     if options.compile:
         torch._dynamo.reset()
-    start = time.perf_counter()
-    scores = score_windows(comp_runner, windows, True, options.batch_size)
-    seconds["ppl_compressed"] = time.perf_counter() - start
-    top1 = float((scores.predictions == full_scores.predictions).float().mean())
+    start = time.perf_counter()  # the reference is the eager plain forward, also when compiled
+    scores = score_windows(comp_runner, windows, True, options.batch_size, reference=model)
+    seconds["ppl_compressed_and_kl"] = time.perf_counter() - start
 
     start = time.perf_counter()
     full = greedy_continuations(model, prompts, options.new_tokens, compressed=False)
@@ -195,5 +216,5 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
         **agreement(full, comp), "new_tokens": options.new_tokens,
         "samples": [{"prompt": tokenizer.decode(p[0]), "full": tokenizer.decode(f),
                      "compressed": tokenizer.decode(c)} for p, f, c in zip(prompts, full, comp)]}
-    return EvalResult(full_scores.ppl, scores.ppl, top1, generation,
-                      scores.cache_bytes_per_token, scores.bits_per_value, seconds)
+    return EvalResult(full_scores.ppl, scores.ppl, scores.top1_agreement, scores.kl_mean,
+                      generation, scores.cache_bytes_per_token, scores.bits_per_value, seconds)

@@ -1,4 +1,5 @@
-"""Perplexity over a grid of cache fractions and plan options, as JSON and a PNG."""
+"""Perplexity, next-token KL and top-1 agreement over a grid of cache fractions and plan
+options, as JSON and a PNG."""
 from __future__ import annotations
 
 import json
@@ -58,13 +59,15 @@ def _write(path: str | None, data: dict) -> None:
 def run_sweep(model: nn.Module, tokenizer, blocks, texts: dict[str, str], fractions: list[float],
               configs: list[Config], tokens: int, window: int = 512, plan_options: dict | None = None,
               progress: bool = True, checkpoint: str | None = None) -> dict:
-    """Full and compressed perplexity of every (config, fraction) on every text.
+    """Full and compressed perplexity of every (config, fraction) on every text, with the
+    compressed model's next-token KL from the full one and their top-1 agreement.
 
     With ``checkpoint`` (a JSON path) the result is written after every row, and a run with
     the same settings picks up the rows an interrupted one finished."""
     from tqdm import tqdm
 
     settings = {"texts": sorted(texts), "tokens": tokens, "window": window,
+                "metrics": ["ppl", "kl", "top1"],  # a checkpoint from before KL is not resumed
                 "plan_options": {k: repr(v) for k, v in sorted((plan_options or {}).items())}}
     result = _load_checkpoint(checkpoint, settings)
     windows = {name: evaluation_windows(tokenizer, text, tokens, window)
@@ -94,8 +97,12 @@ def run_sweep(model: nn.Module, tokenizer, blocks, texts: dict[str, str], fracti
                 row["cache_fraction"] = report.plan.cache_fraction
                 row["rope"] = report.plan.options.rope
                 row["key_fraction"] = report.plan.options.key_fraction
-                row["ppl"] = {name: score_windows(model, w, True).ppl for name, w in windows.items()}
+                scores = {name: score_windows(model, w, True, reference=model)
+                          for name, w in windows.items()}
+                row["ppl"] = {name: s.ppl for name, s in scores.items()}
                 row["ratio"] = {name: row["ppl"][name] / full[name] for name in windows}
+                row["kl"] = {name: s.kl_mean for name, s in scores.items()}
+                row["top1"] = {name: s.top1_agreement for name, s in scores.items()}
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             _write(checkpoint, result)

@@ -39,6 +39,7 @@ from .options import SELF_TEXT, CalibrationOptions
 from .sampling import SAMPLING, sample_sequences, start_token
 from .attention_probe import AttentionMoments, AttentionProbe, attention_modules, probe_supported
 from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.analysis.sharding import full_tensor
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.data.texts import split_paragraphs
 
@@ -84,7 +85,7 @@ def model_fingerprint(model: nn.Module) -> str:
         h.update(config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            flat = p.detach().reshape(-1).to(torch.float64)
+            flat = full_tensor(p.detach()).reshape(-1).to(torch.float64)  # TP: whole
             stats = (flat.sum().item(), flat.square().sum().item(), flat[:8].tolist())
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{stats}".encode())
     _FINGERPRINTS[model] = (versions, h.hexdigest()[:16])

@@ -69,6 +69,9 @@ class PlanOptions:
     # 16 = an uncompressed 16-bit cache. None: the budget is ``cache_fraction`` (bytes against
     # the uncompressed cache in the model's own dtype)
     bits_per_value: float | None = None
+    # bases block-diagonal over this many equal groups of KV heads, the same rank in each:
+    # the tensor-parallel split, where each process caches the latents of its own heads
+    shards: int = 1
 
     def __post_init__(self):
         f = self.cache_fraction
@@ -104,6 +107,11 @@ class PlanOptions:
                 (self.latent_group * self.latent_bits) % 8:
             raise ValueError(f"latent_group must be a positive integer (even for latent_bits=4: "
                              f"two codes per byte), got {self.latent_group!r}")
+        if not _is_int(self.shards) or self.shards < 1:
+            raise ValueError(f"shards must be an integer >= 1, got {self.shards!r}")
+        if self.shards > 1 and self.basis == "attention":
+            raise ValueError("basis='attention' has no per-shard form yet (shards > 1, a "
+                             "tensor-parallel model); use basis='whitened', 'norm' or 'weight'")
 
     def latent_bytes_per_value(self, dtype_bytes: int) -> float:
         """Bytes per cached latent value, everything counted, for a model whose dtype has

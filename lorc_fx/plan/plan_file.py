@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from lorc_fx.analysis.records import AttentionBlock, RopeLayout
+from lorc_fx.analysis.sharding import full_tensor, model_split
 
 from .options import CalibrationOptions, PlanOptions
-from .planner import LayerPlan, Plan
+from .planner import LayerPlan, Plan, process_plan
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def _stable(config):
 def plan_fingerprint(model: nn.Module) -> str:
     """A hash of the model's config (:func:`_stable`) and of every parameter's name, shape
     and ``_SAMPLES`` evenly spaced values rounded to bfloat16: the same for the same weights
-    wherever they were loaded from, on any device, in any float dtype.
+    wherever they were loaded from, on any device, in any float dtype, whole or split over
+    tensor-parallel processes (then a collective: every process calls it).
 
     (``calibration.model_fingerprint`` keys on-disk caches and hashes the path the model was
     loaded from and float sums that differ across devices; for a file meant to move between
@@ -72,8 +74,8 @@ def plan_fingerprint(model: nn.Module) -> str:
     if config is not None:
         h.update(json.dumps(_stable(json.loads(config.to_json_string(use_diff=False))),
                             sort_keys=True).encode())
-    for name, p in model.named_parameters():
-        flat = p.detach().reshape(-1)
+    for name, p in model.named_parameters():  # a tensor-parallel model's whole weights
+        flat = full_tensor(p.detach()).reshape(-1)
         n = flat.numel()
         k = min(n, _SAMPLES)
         index = torch.arange(k, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
@@ -118,6 +120,9 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
     """Write ``plan`` to ``path`` (a file, or a directory to hold ``PLAN_FILE``); returns the
     file written, and logs it once at INFO. The plan must record its model's fingerprint,
     as every plan of ``lorc_fx.plan``/``compress`` does."""
+    if plan.shard is not None:
+        raise ValueError(f"this is the plan of shard {plan.shard} of {plan.options.shards} only; "
+                         "save the whole model's plan (lorc_fx.save_plan(model) or report.save)")
     if plan.fingerprint is None:
         raise ValueError("this plan records no model fingerprint, so a file of it could not "
                          "be checked against a model; save the plan of lorc_fx.plan(model) or "
@@ -217,7 +222,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
 def check_fits(plan: Plan, model: nn.Module, blocks: list[AttentionBlock],
                source: str | os.PathLike = "the plan") -> None:
     """Refuse (:class:`PlanFileError`, naming ``source``) a plan made for another model, or
-    whose layers are not the model's attention blocks as this analysis finds them."""
+    whose layers are not the model's attention blocks as this analysis finds them (on a
+    tensor-parallel process: this process's shard of them)."""
     fingerprint = plan_fingerprint(model)
     if plan.fingerprint is not None and plan.fingerprint != fingerprint:
         made_for = plan.model_name or "another model"
@@ -225,6 +231,12 @@ def check_fits(plan: Plan, model: nn.Module, blocks: list[AttentionBlock],
             f"{source} is a plan for {made_for} (fingerprint {plan.fingerprint}), not for this "
             f"{model_name(model)} (fingerprint {fingerprint}): the config or weights differ. "
             f"Plan this model instead: lorc_fx.compress(model, cache_fraction)")
+    split = model_split(blocks)
+    if split is not None and split.count != plan.options.shards:
+        raise PlanFileError(f"{source} is a plan over {plan.options.shards} shard(s) of the KV "
+                            f"heads, but this model is split over {split.count} tensor-parallel "
+                            "processes; plan it as it is loaded")
+    plan = process_plan(plan, blocks)
     supported = {b.layer: b for b in blocks if b.supported}
     planned = [l.layer for l in plan.layers]
     if sorted(planned) != sorted(supported):

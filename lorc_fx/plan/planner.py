@@ -13,12 +13,14 @@ from functools import cached_property
 import torch
 
 from lorc_fx.analysis.records import AttentionBlock, RopeLayout
+from lorc_fx.analysis.sharding import full_tensor, model_split
 
 from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
 from .metrics import relative
 from .options import STORED_FLOAT_BITS, PlanOptions
 from .schedules import SCHEDULES, ScheduleInput, UnreachableFraction
-from .spectra import Spectrum, condition_number, real_spectrum, rope_commuting_spectrum
+from .spectra import (Spectrum, block_diagonal, condition_number, real_spectrum,
+                      rope_commuting_spectrum)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class LayerInput:
     # precomputed spectra (data-aware bases); energies in one error unit across projections
     k_spectrum: Spectrum | None = None
     v_spectrum: Spectrum | None = None
+    shards: int = 1  # bases block-diagonal over this many equal groups of KV heads
 
     @cached_property
     def kappa(self) -> tuple[float, float]:
@@ -48,9 +51,23 @@ class LayerInput:
         return condition_number(self.k_weight), condition_number(self.v_weight)
 
 
+def _whole_weight(block: AttentionBlock, role: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The projection's rows of every shard, shard by shard (each in this process's row
+    order), from the whole weight: a tensor-parallel block's rows are its own shard's."""
+    projection = getattr(block, role)
+    if block.sharding is None:
+        return projection.weight_tensor(params).detach()
+    whole = full_tensor(params[projection.weight]).detach()  # collective, in block order
+    whole = whole.t() if projection.transposed else whole
+    per_shard = whole.shape[0] // block.sharding.count
+    rows = [s * per_shard + r for s in range(block.sharding.count)
+            for r in projection.row_index()]
+    return whole[torch.tensor(rows, device=whole.device)]
+
+
 def _checked_weight(block: AttentionBlock, role: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
     projection = getattr(block, role)
-    weight = projection.weight_tensor(params).detach()
+    weight = _whole_weight(block, role, params)
     if not weight.is_floating_point():
         raise ValueError(f"layer {block.layer}: {role.upper()} projection weight "
                          f"{projection.weight!r} has dtype {weight.dtype}; LoRC needs floating-point "
@@ -61,20 +78,40 @@ def _checked_weight(block: AttentionBlock, role: str, params: dict[str, torch.Te
     return weight
 
 
-def layer_inputs(params: dict[str, torch.Tensor], blocks: list[AttentionBlock]) -> list[LayerInput]:
+def _shard_count(block: AttentionBlock, shards: int) -> int:
+    """How many shards a block's (local) heads are of the whole layer's; ``shards`` must be
+    the tensor-parallel split where there is one, and divide the KV heads otherwise."""
+    if block.sharding is not None:
+        if shards != block.sharding.count:
+            raise ValueError(f"shards={shards}, but layer {block.layer} is split over "
+                             f"{block.sharding.count} tensor-parallel processes; the plan's "
+                             "shards must be that split")
+        return block.sharding.count
+    if block.num_kv_heads % shards:
+        raise ValueError(f"shards={shards} does not divide the {block.num_kv_heads} KV heads of "
+                         f"layer {block.layer}; choose a divisor of them")
+    return 1
+
+
+def layer_inputs(params: dict[str, torch.Tensor], blocks: list[AttentionBlock],
+                 shards: int = 1) -> list[LayerInput]:
     """One :class:`LayerInput` per supported block (``params``: name → tensor, as the
-    blocks' projections name them); unsupported blocks are not planned."""
+    blocks' projections name them); unsupported blocks are not planned. Every input is of the
+    whole layer: a tensor-parallel block's K/V weights are gathered from every process (a
+    collective, in block order), its heads counted over all of them. ``shards`` is the number
+    of equal groups of KV heads the bases are block-diagonal over."""
     inputs = []
     for block in blocks:
         if not block.supported:
             continue
+        heads_of = _shard_count(block, shards)  # the local heads are 1/heads_of of the layer's
         keys_linear = block.k_path in ("none", "rope")
         inputs.append(LayerInput(
             layer=block.layer,
             k_weight=_checked_weight(block, "k", params),
             v_weight=_checked_weight(block, "v", params),
-            num_heads=block.num_heads, num_kv_heads=block.num_kv_heads,
-            head_dim=block.head_dim, rope=block.rope_k,
+            num_heads=block.num_heads * heads_of, num_kv_heads=block.num_kv_heads * heads_of,
+            head_dim=block.head_dim, rope=block.rope_k, shards=shards,
             compress_k=keys_linear, compress_v=block.v_path == "none",
             note="" if keys_linear else f"keys kept full: {block.k_path} between projection and cache",
         ))
@@ -142,6 +179,22 @@ class Plan:
     kind: str = "low_rank"
     # the candidates the bit-width search measured (``lorc_fx.search.bits``), best first
     candidates: list[dict] = field(default_factory=list)
+    # the shard of ``options.shards`` this plan is (``local``): its layers cover that shard's
+    # KV heads only; None: the whole model
+    shard: int | None = None
+
+    def local(self, index: int) -> "Plan":
+        """The plan of shard ``index`` of ``options.shards``: each layer's rows of that shard
+        (every ``shards``-th row of a block-diagonal basis) on its own KV heads' dims, which
+        is what the process holding those heads caches. Identity for an unsharded plan."""
+        count = self.options.shards
+        if count == 1:
+            return self
+        if self.shard is not None or not 0 <= index < count:
+            raise ValueError(f"shard index must be in [0, {count}) of a whole-model plan, "
+                             f"got {index}")
+        return replace(self, layers=[_local_layer(l, index, count) for l in self.layers],
+                       shard=index)
 
     @property
     def cache_fraction(self) -> float:
@@ -208,12 +261,29 @@ class Plan:
             "reachable": list(self.reachable),
             "kind": self.kind,
             "options": asdict(self.options),
-            "basis_note": self.basis_note,
+            "basis_note": self.basis_note, "shard": self.shard,
             "fraction_search": self.fraction_search,
             "candidates": self.candidates,
             "layers": [l.summary() for l in self.layers],
             "model": self.model_name, "fingerprint": self.fingerprint,
         }
+
+
+def process_plan(plan: Plan, blocks: list[AttentionBlock]) -> Plan:
+    """What this process caches of ``plan``: the plan of its own shard where the blocks are
+    split over tensor-parallel processes, else the whole plan."""
+    split = model_split(blocks)
+    return plan if split is None else plan.local(split.index)
+
+
+def _local_layer(layer: LayerPlan, index: int, count: int) -> LayerPlan:
+    k_w, v_w = layer.k_full // count, layer.v_full // count
+    rows = lambda t, w: t[index::count, index * w:(index + 1) * w]
+    return replace(layer, k_full=k_w, v_full=v_w, k_rank=layer.k_rank // count,
+                   v_rank=layer.v_rank // count, num_heads=layer.num_heads // count,
+                   num_kv_heads=layer.num_kv_heads // count,
+                   k_basis=rows(layer.k_basis, k_w), v_basis=rows(layer.v_basis, v_w),
+                   k_rebuild=rows(layer.k_rebuild, k_w), v_rebuild=rows(layer.v_rebuild, v_w))
 
 
 def element_budget(options: PlanOptions, full: int, fixed: int, rotary_log: int,
@@ -236,21 +306,43 @@ def _energy_kept(spectrum: Spectrum, rank: int) -> float:
     return 1.0 - spectrum.dropped_energy(rank) / total if total > 0 else 1.0
 
 
+def _per_shard(layer: LayerInput, weight: torch.Tensor, spectrum_of) -> Spectrum:
+    """``spectrum_of(rows, kv_heads)`` of the weight, or with ``layer.shards`` > 1 the
+    block-diagonal spectrum of each shard's rows (its KV heads) alone; energies as shares
+    of the total (the one unit in which weight spectra compare)."""
+    if layer.shards == 1:
+        return relative(spectrum_of(weight, layer.num_kv_heads))
+    rows = weight.shape[0] // layer.shards
+    return relative(block_diagonal([spectrum_of(weight[s * rows:(s + 1) * rows],
+                                                layer.num_kv_heads // layer.shards)
+                                    for s in range(layer.shards)]))
+
+
+def _precomputed(layer: LayerInput, spectrum: Spectrum | None, side: str) -> Spectrum | None:
+    if spectrum is not None and layer.shards > 1:
+        raise ValueError(f"layer {layer.layer}: the {side} spectrum the basis measured spans "
+                         f"every KV head, not one shard of {layer.shards}; use basis='whitened', "
+                         "'norm' or 'weight' with shards > 1")
+    return spectrum
+
+
 def _key_spectrum(layer: LayerInput, rope_mode: str) -> Spectrum:
-    """The layer's precomputed key spectrum, else the weight's under the input metric, with
-    energies as shares of the total (the one unit in which weight spectra compare)."""
-    if layer.k_spectrum is not None:
-        return layer.k_spectrum
+    """The layer's precomputed key spectrum, else the weight's under the input metric
+    (per shard where the plan has shards)."""
+    given = _precomputed(layer, layer.k_spectrum, "key")
+    if given is not None:
+        return given
     if layer.rope.style != "none" and rope_mode == "commute":
-        return relative(rope_commuting_spectrum(layer.k_weight, layer.num_kv_heads,
-                                                layer.head_dim, layer.rope, layer.input_gram))
-    return relative(real_spectrum(layer.k_weight, layer.input_gram))
+        return _per_shard(layer, layer.k_weight, lambda w, heads: rope_commuting_spectrum(
+            w, heads, layer.head_dim, layer.rope, layer.input_gram))
+    return _per_shard(layer, layer.k_weight, lambda w, heads: real_spectrum(w, layer.input_gram))
 
 
 def _value_spectrum(layer: LayerInput) -> Spectrum:
-    if layer.v_spectrum is not None:
-        return layer.v_spectrum
-    return relative(real_spectrum(layer.v_weight, layer.input_gram))
+    given = _precomputed(layer, layer.v_spectrum, "value")
+    if given is not None:
+        return given
+    return _per_shard(layer, layer.v_weight, lambda w, heads: real_spectrum(w, layer.input_gram))
 
 
 def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[float]:

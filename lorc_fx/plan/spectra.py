@@ -56,6 +56,33 @@ class Spectrum:
         return torch.nonzero(self.cuts).flatten().tolist()
 
 
+def block_diagonal(parts: list[Spectrum]) -> Spectrum:
+    """One spectrum of ``len(parts)`` equal blocks of output dims (shard ``s`` owns dims
+    ``[s·w, (s+1)·w)``), each block's rows kept only on its own dims, the same number in every
+    block: row ``j·S + s`` is row ``j`` of part ``s``, and a rank is valid where it is ``S·r``
+    for an ``r`` valid in every part. So the latent of each shard is read from that shard's
+    dims alone, and ``rows[s::S]`` restricted to them is the shard's own basis."""
+    count, width = len(parts), parts[0].width
+    if any(p.width != width for p in parts):
+        raise ValueError("the shards of a block-diagonal spectrum must be equally wide")
+    full = count * width
+
+    def embed(part_rows: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(full, full, dtype=torch.float64)
+        for s, rows in enumerate(part_rows):
+            out[s::count, s * width:(s + 1) * width] = rows.to(torch.float64)
+        return out
+
+    rebuild = None
+    if any(p.rebuild_rows is not None for p in parts):
+        rebuild = embed([p.rows if p.rebuild_rows is None else p.rebuild_rows for p in parts])
+    energy = torch.stack([p.energy.to(torch.float64) for p in parts], dim=1).reshape(-1)
+    per_shard = torch.stack([p.cuts for p in parts]).all(0)  # (width + 1,)
+    cuts = torch.zeros(full + 1, dtype=torch.bool)
+    cuts[::count] = per_shard
+    return Spectrum(embed([p.rows for p in parts]), energy, cuts, rebuild)
+
+
 def _input_root(gram: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     """``S`` with ``S Sᵀ = G`` (Cholesky, jittered to stay positive definite)."""
     if gram is None:

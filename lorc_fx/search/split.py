@@ -25,7 +25,7 @@ from lorc_fx.plan.allocation import feasible_key_fractions
 from lorc_fx.plan.calibration import (calibration_tokenizer, calibration_windows,
                                       model_fingerprint, sampling_key)
 from lorc_fx.plan.options import CalibrationOptions, PlanOptions
-from lorc_fx.plan.planner import LayerInput, Plan, plan_layers
+from lorc_fx.plan.planner import LayerInput, Plan, plan_layers, process_plan
 
 _FORMAT = 4  # bump when the bases change: cached splits were measured with the old ones
 SEARCH_TOKENS = 2048  # 4 windows of 512: the losses of neighbouring splits differ by ~0.01 nat
@@ -39,6 +39,7 @@ def calibration_loss(model: nn.Module, blocks: list[AttentionBlock], plan: Plan 
     device = next(model.parameters()).device
     config = model.config.get_text_config(decoder=True)
     total, count = 0.0, 0
+    plan = None if plan is None else process_plan(plan, blocks)
     with angles_handed(model, blocks, plan):
         for batch in windows.split(2):
             batch = batch.to(device)

@@ -70,3 +70,21 @@ def test_bad_options_fail_before_the_model_is_traced(options, message):
     model.p = nn.Parameter(torch.zeros(1))
     with pytest.raises(ValueError, match=re.escape(message)):
         lorc_fx.compress(model, **options)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(shards=2, basis="attention"), "basis='attention' has no per-shard form"),
+    (dict(shards=2, rope="reconstruct"), "rope='reconstruct' has no per-shard form"),
+    (dict(shards=0), "shards must be an integer >= 1"),
+])
+def test_per_shard_options_without_a_per_shard_form_are_refused_before_tracing(kwargs, message,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(lorc_fx.api, "analyze", lambda *a, **k: pytest.fail("traced"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        lorc_fx.compress(build(config_for("llama")), 0.6, **kwargs)
+
+
+def test_shards_that_do_not_divide_the_kv_heads_are_refused():
+    model = build(config_for("llama", heads=4, kv_heads=2))
+    with pytest.raises(ValueError, match=r"shards=3 does not divide the 2 KV heads of layer 0"):
+        lorc_fx.compress(model, 0.6, basis="weight", shards=3)

@@ -50,6 +50,9 @@ def test_analyze_json(model_dir, tmp_path):
     ("plan", ["--bits-per-value", "20"], "bits_per_value must be a number in [0.5, 16]"),
     ("eval", ["--bits-per-value", "0.2"], "bits_per_value must be a number in [0.5, 16]"),
     ("eval", ["--latent-bits", "6"], "latent_bits must be one of [16, 8, 4, 'auto'], got 6"),
+    ("lm-eval", ["--docs", "0"], "--docs must be an integer >= 1, got 0"),
+    ("lm-eval", ["--max-length", "-2"], "--max-length must be an integer >= 1, got -2"),
+    ("lm-eval", ["--cache-fraction", "2"], "cache_fraction must be a number in (0, 1]"),
 ])
 def test_invalid_options_exit_2_before_the_model_loads(tmp_path, command, args, message, capsys):
     """The model path does not exist: a message about the option proves it was never loaded."""
@@ -79,6 +82,16 @@ def test_plan_json_at_a_bit_budget(model_dir, tmp_path):
     assert data["requested_bits_per_value"] == 6 and data["requested_fraction"] is None
     assert abs(data["bits_per_value"] - 6) <= 9 / 32  # within one rank of 9-bit latents
     assert data["options"]["latent_bits"] == 8 and data["kind"] == "low_rank"
+
+
+def test_lm_eval_without_the_harness_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
+    assert main(["lm-eval", "--model", str(tmp_path / "never-loaded")]) == 2
+    assert "pip install 'lorc-fx[harness]'" in capsys.readouterr().err
 
 
 def test_every_option_is_explained_with_its_default():

@@ -9,7 +9,7 @@ import torch
 from hypothesis import strategies as st
 from transformers import (AutoModelForCausalLM, GemmaConfig, Gemma3TextConfig, GPT2Config,
                           GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
-                          Qwen2Config)
+                          Qwen2Config, Qwen3Config)
 
 VOCAB = 96
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "gpt2", "opt", "gemma", "gemma3")
@@ -28,6 +28,8 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
         return MistralConfig(head_dim=head_dim, sliding_window=None, **llama_like)
     if family == "qwen2":
         return Qwen2Config(**llama_like)
+    if family == "qwen3":  # q/k RMSNorm, like gemma3, without sliding layers
+        return Qwen3Config(head_dim=head_dim, **llama_like)
     if family == "phi3":
         return Phi3Config(partial_rotary_factor=rotary, **llama_like)
     if family == "gemma":

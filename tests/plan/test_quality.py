@@ -243,8 +243,9 @@ def test_cli_eval_writes_the_json_keys(loaded, tmp_path):
                  "--basis", "whitened", "--schedule", "greedy", "--json", str(out)])
     assert code == 0
     data = json.loads(out.read_text())
-    assert {"ppl_full", "ppl_compressed", "ppl_ratio", "top1_agreement", "generation",
-            "cache_bytes_per_token_full", "cache_bytes_per_token_compressed", "plan"} <= set(data)
+    assert {"ppl_full", "ppl_compressed", "ppl_ratio", "top1_agreement", "kl_mean",
+            "generation", "cache_bytes_per_token_full", "cache_bytes_per_token_compressed",
+            "plan"} <= set(data)
     assert data["cache_bytes_per_token_compressed"] < data["cache_bytes_per_token_full"]
 
 
@@ -258,7 +259,8 @@ def test_sweep_writes_rows_as_it_goes_and_resumes(loaded, tmp_path, monkeypatch)
     args = (model, tok, blocks, {"tiny": load_text(text)}, [0.75], configs, 128, 64)
     first = sweep.run_sweep(*args, progress=False, checkpoint=out)
     assert [r["schedule"] for r in first["rows"]] == ["progressive", "greedy"]
-    assert all(r["ppl"]["tiny"] > 0 for r in first["rows"])
+    assert all(r["ppl"]["tiny"] > 0 and r["kl"]["tiny"] > 0 and 0 < r["top1"]["tiny"] <= 1
+               for r in first["rows"])
     monkeypatch.setattr(sweep, "compress", lambda *a, **k: pytest.fail("recomputed"))
     again = sweep.run_sweep(*args, progress=False, checkpoint=out)
     assert again["rows"] == first["rows"]

@@ -1,0 +1,142 @@
+"""compress on models loaded tensor-parallel by transformers (``tp_plan="auto"``), two
+processes under torchrun with the gloo backend on CPU, against single-process runs of the
+same weights: exact at fraction 1.0, the single-process per-shard plan below it, and the
+cache bytes each process holds measured from its cache's tensors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+import lorc_fx
+from helpers import tp_worker
+from helpers.families import build, config_for
+from helpers.tiny_llama import save_tiny_llama
+
+WORLD = 2
+FRACTIONS = (1.0, 0.5)
+WORKER = Path(tp_worker.__file__)
+
+
+def _torchrun(out: Path, model: str, *extra: str) -> list[dict]:
+    """What each of the ``WORLD`` processes saw (``tp_worker.run``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(lorc_fx.__file__).parents[1]),
+                                           str(WORKER.parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
+           "--standalone", str(WORKER), str(out), model, *extra]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tp_models")
+    dirs = {"llama": save_tiny_llama(root / "llama")}
+    for family in ("qwen2", "gpt_neox"):
+        directory = root / family
+        build(config_for(family, heads=4, kv_heads=2, head_dim=16)).save_pretrained(directory)
+        dirs[family] = str(directory)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory) -> dict[str, list[dict]]:
+    """Per family run here, what each process saw at ``FRACTIONS``."""
+    out = tmp_path_factory.mktemp("tp_out")
+    return {family: _torchrun(out / f"{family}.json", models[family], "--fractions",
+                              *map(str, FRACTIONS))
+            for family in ("llama", "qwen2")}
+
+
+def _single(directory: str, fraction: float | None, basis: str = "weight"):
+    """(tokens, report) of the single-process model, compressed with the per-shard plan."""
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    report = None
+    if fraction is not None:
+        report = tp_worker.compress(model, fraction, basis, shards=WORLD)
+    return tp_worker.generate(model)[0], report
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tensor_parallel_matches_single_process(family, models, runs):
+    directory = models[family]
+    assert len(runs[family]) == WORLD
+    uncompressed, _ = _single(directory, None)
+    for seen in runs[family]:
+        assert seen["uncompressed"] == uncompressed  # transformers' own TP is exact here
+        full = seen["fractions"]["1.0"]
+        assert full["shards"] == WORLD
+        assert full["tokens"] == uncompressed, full["report"]
+    for fraction in FRACTIONS:
+        tokens, report = _single(directory, fraction)
+        assert report.plan.options.shards == WORLD
+        for rank in runs[family]:
+            seen = rank["fractions"][str(fraction)]
+            assert seen["tokens"] == tokens
+            assert [tuple(r) for r in seen["ranks"]] == [(l.k_rank, l.v_rank)
+                                                        for l in report.plan.layers]
+            assert tuple(seen["bytes_per_token"]) == report.cache_bytes_per_token()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_each_process_holds_its_shard_of_the_cache(family, models, runs):
+    for rank in runs[family]:
+        for fraction in FRACTIONS:
+            seen = rank["fractions"][str(fraction)]
+            whole_full, whole_kept = seen["bytes_per_token"]
+            shard_full, shard_kept = seen["bytes_per_token_per_shard"]
+            assert (shard_full, shard_kept) == (whole_full // WORLD, whole_kept // WORLD)
+            assert seen["cache_bytes"] == shard_kept * seen["cached_tokens"]
+            assert seen["cached_tokens"] == len(tp_worker.PROMPT[0]) + tp_worker.NEW_TOKENS - 1
+    half = runs[family][0]["fractions"]["0.5"]["bytes_per_token_per_shard"]
+    assert half[1] < half[0]
+
+
+@pytest.mark.slow
+def test_gpt_neox_fused_qkv_matches_single_process(models, tmp_path):
+    """GPT-NeoX splits its fused query_key_value by rows: each process gets whole heads (q,
+    k and v of a head are adjacent rows), so the shard's K rows are found in its own rows."""
+    directory = models["gpt_neox"]
+    runs = _torchrun(tmp_path / "neox.json", directory, "--fractions", "1.0", "0.5")
+    uncompressed, _ = _single(directory, None)
+    half, _ = _single(directory, 0.5)
+    for rank in runs:
+        assert rank["uncompressed"] == uncompressed
+        assert rank["fractions"]["1.0"]["tokens"] == uncompressed
+        assert rank["fractions"]["0.5"]["tokens"] == half
+
+
+@pytest.mark.slow
+def test_tensor_parallel_compiled_is_exact(models, tmp_path):
+    """lorc_backend on each process (absorbed attention over its own latents): ~90 s."""
+    directory = models["llama"]
+    runs = _torchrun(tmp_path / "compiled.json", directory, "--fractions", "1.0", "--compile")
+    uncompressed, _ = _single(directory, None)
+    for rank in runs:
+        assert rank["fractions"]["1.0"]["compiled_tokens"] == uncompressed
+
+
+@pytest.mark.slow
+def test_tensor_parallel_whitened_basis_calibrates_on_each_process(models, tmp_path,
+                                                                   monkeypatch):
+    """Each process samples and calibrates on the same (replicated) inputs, so the whitened
+    per-shard plan and its measured key/value split are the single-process one's."""
+    directory = models["llama"]
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "split_cache"))
+    runs = _torchrun(tmp_path / "whitened.json", directory, "--fractions", "0.5",
+                     "--basis", "whitened")
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "single_cache"))  # calibrates anew
+    tokens, report = _single(directory, 0.5, "whitened")
+    for rank in runs:
+        seen = rank["fractions"]["0.5"]
+        assert seen["tokens"] == tokens
+        assert [tuple(r) for r in seen["ranks"]] == [(l.k_rank, l.v_rank)
+                                                    for l in report.plan.layers]
