@@ -290,14 +290,13 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     modes = ["commute"] if shards > 1 and rope == "auto" else rope_modes(rope, model, blocks,
                                                                           objective)
     measure = len(modes) > 1 or len(widths) > 1 or max_ppl_increase is not None
-    first = None
+    first, start = None, time.perf_counter()
     if basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None \
             or len(widths) > 1:
         options = replace(options, calibration=usable_calibration(model, options.calibration))
         first = _announce_first_calibration(model, blocks, options, modes)
         _sample_ahead(model, blocks, options, held_out=measure or (
             schedule == "calibrated" and key_fraction is None))
-    start = time.perf_counter()
     if max_ppl_increase is None:
         best, _ = _best_plan(model, blocks, options, modes, measure, widths, groups, progress)
     else:
