@@ -1,6 +1,8 @@
 """The decode attention ops ``lorc::latent_decode`` and ``lorc::reconstruct_decode``.
 
-Both are ``torch.library.triton_op``s, so Inductor sees the Triton kernels they launch. They run
+Both are ``torch.library.triton_op``s where Triton is installed, so Inductor sees the Triton
+kernels they launch (plain ``custom_op``s without it: torch warns when a ``triton_op`` finds no
+Triton to look into). They run
 the Triton kernels on CUDA tensors when Triton is installed, and the torch implementation of
 :mod:`lorc_fx.kernels.reference` (float32 math, output in the input dtype) everywhere else, so the
 ops work on any device. Arguments:
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.library import triton_op
+from torch.library import custom_op, triton_op
 
 from .reference import latent_decode_reference, reconstruct_decode_reference
 
@@ -43,6 +45,7 @@ else:
     _HAS_TRITON = True
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_op = triton_op if _HAS_TRITON else custom_op
 
 
 def triton_available() -> bool:
@@ -93,7 +96,7 @@ def _output(out4: Tensor, q: Tensor) -> Tensor:
     return out4 if q.dim() == 4 else out4.squeeze(2)
 
 
-@triton_op("lorc::latent_decode", mutates_args=())
+@_op("lorc::latent_decode", mutates_args=())
 def latent_decode(q: Tensor, c_k: Tensor, c_v: Tensor, scale: float,
                   mask: Tensor | None = None, start: Tensor | None = None,
                   length: Tensor | None = None, num_splits: int | None = None) -> Tensor:
@@ -109,7 +112,7 @@ def latent_decode(q: Tensor, c_k: Tensor, c_v: Tensor, scale: float,
     return _output(out, q)
 
 
-@triton_op("lorc::reconstruct_decode", mutates_args=())
+@_op("lorc::reconstruct_decode", mutates_args=())
 def reconstruct_decode(q: Tensor, c_k: Tensor, c_v: Tensor, basis: Tensor, positions: Tensor,
                        inv_freq: Tensor, scale: float, mask: Tensor | None = None,
                        start: Tensor | None = None, length: Tensor | None = None,
