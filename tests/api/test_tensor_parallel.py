@@ -140,3 +140,22 @@ def test_tensor_parallel_whitened_basis_calibrates_on_each_process(models, tmp_p
         assert seen["tokens"] == tokens
         assert [tuple(r) for r in seen["ranks"]] == [(l.k_rank, l.v_rank)
                                                     for l in report.plan.layers]
+
+
+@pytest.mark.slow
+def test_compression_adds_no_collective_to_the_compiled_decode_graph(models, tmp_path):
+    """The graphs torch.compile hands each backend, uncompressed (Inductor) and compressed
+    at 0.5 (``lorc_backend``), hold the same collectives: transformers' own (the row-parallel
+    o_proj/down_proj all-reduces, the embedding/lm_head redistributions), none added by the
+    latent cache or the absorbed attention: ~80 s."""
+    runs = _torchrun(tmp_path / "collectives.json", models["llama"], "--fractions", "0.5",
+                     "--count-collectives")
+    for rank in runs:
+        plain, compressed = rank["uncompressed"]["graphs"], rank["compressed"]["graphs"]
+        decode = [g for g in compressed if g["input_ids"] == [[1, 1]]]
+        assert decode and all(g["passes"].get("absorb_latent_attention") for g in decode)
+        assert [g["input_ids"] for g in plain] == [g["input_ids"] for g in compressed]
+        for before, after in zip(plain, compressed):
+            assert before["received"], "transformers' row-parallel all-reduces were not seen"
+            assert len(after["received"]) <= len(before["received"]), after["received"]
+            assert len(after["handed_on"]) <= len(before["handed_on"]), after["handed_on"]

@@ -36,6 +36,59 @@ def compress(model, fraction: float, basis: str, **kwargs):
     return lorc_fx.compress(model, cache_fraction=fraction, basis=basis, **calibration, **kwargs)
 
 
+# graph nodes that communicate: c10d ops (functional or in place) and DTensor redistribution
+COLLECTIVE_METHODS = ("redistribute", "full_tensor")
+
+
+def collectives(gm) -> list[str]:
+    """The communicating calls in an FX graph, in graph order."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = str(node.target)
+        if "c10d" in name or getattr(node.target, "__name__", name) in COLLECTIVE_METHODS:
+            found.append(name if "c10d" in name else getattr(node.target, "__name__", name))
+    return found
+
+
+class CountingBackend:
+    """Wraps a torch.compile backend; records per graph the collectives of the graph it
+    receives, of the graph it hands on (after ``lorc_backend``'s passes), and the shape of
+    its ``input_ids`` (``(1, 1)`` in a decode step) and what ``lorc_backend``'s passes
+    matched."""
+
+    def __init__(self, inner):
+        self.inner, self.graphs = inner, []
+
+    def __call__(self, gm, example_inputs):
+        received = collectives(gm)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        ids = [list(t.shape) for t, name in zip(example_inputs, names) if "input_ids" in name]
+        compiled = self.inner(gm, example_inputs)
+        reports = getattr(self.inner, "reports", None)  # lorc_backend's, one per graph
+        self.graphs.append({"received": received, "handed_on": collectives(gm),
+                            "input_ids": ids, "passes": reports[-1].counts if reports else {}})
+        return compiled
+
+
+def count_collectives(directory: str, fraction: float) -> dict:
+    """Generate with ``forward`` compiled: uncompressed with Inductor, then compressed at
+    ``fraction`` with ``lorc_backend``, recording each compiled graph's collectives."""
+    from torch._inductor.compile_fx import compile_fx
+    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval()
+    result = {}
+    for name, backend in (("uncompressed", CountingBackend(compile_fx)),
+                          ("compressed", CountingBackend(lorc_fx.lorc_backend))):
+        if name == "compressed":
+            compress(model, fraction, "weight")  # on the plain forward: it traces the model
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend=backend)
+        result[name] = {"tokens": generate(model)[0], "graphs": backend.graphs}
+        del model.forward  # the class's forward again
+    return result
+
+
 def run(directory: str, fractions: list[float], compiled: bool, basis: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval()
     result = {"uncompressed": generate(model)[0], "fractions": {}}
@@ -61,11 +114,13 @@ def main():
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5])
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--basis", default="weight")
+    parser.add_argument("--count-collectives", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    mine = run(args.model, args.fractions, args.compile, args.basis)
+    mine = (count_collectives(args.model, args.fractions[0]) if args.count_collectives
+            else run(args.model, args.fractions, args.compile, args.basis))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
