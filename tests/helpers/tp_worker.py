@@ -1,7 +1,8 @@
 """One tensor-parallel process (run under ``torchrun --nproc-per-node N``, gloo, CPU): loads
 a model directory with ``tp_plan="auto"``, generates greedily uncompressed and then
 compressed at each fraction (``--basis``, default "weight"), and rank 0 writes what every rank saw to a
-JSON file. ``tests/api/test_tensor_parallel.py`` compares it with single-process runs.
+JSON file (``--count-collectives``: the collectives in each graph torch.compile hands the
+backend instead). ``tests/api/test_tensor_parallel.py`` compares it with single-process runs.
 (One model per launch: a second ``tp_plan`` model loaded in the same processes hung.)"""
 from __future__ import annotations
 
@@ -36,27 +37,27 @@ def compress(model, fraction: float, basis: str, **kwargs):
     return lorc_fx.compress(model, cache_fraction=fraction, basis=basis, **calibration, **kwargs)
 
 
-# graph nodes that communicate: c10d ops (functional or in place) and DTensor redistribution
+# DTensor methods that communicate (from_local / to_local do not)
 COLLECTIVE_METHODS = ("redistribute", "full_tensor")
 
 
 def collectives(gm) -> list[str]:
-    """The communicating calls in an FX graph, in graph order."""
+    """The communicating calls in an FX graph, in graph order: c10d ops (functional or in
+    place) and DTensor redistributions."""
     found = []
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
-            continue
-        name = str(node.target)
-        if "c10d" in name or getattr(node.target, "__name__", name) in COLLECTIVE_METHODS:
-            found.append(name if "c10d" in name else getattr(node.target, "__name__", name))
+        if node.op in ("call_function", "call_method"):
+            name = str(node.target)
+            method = getattr(node.target, "__name__", name)
+            if "c10d" in name or method in COLLECTIVE_METHODS:
+                found.append(name if "c10d" in name else method)
     return found
 
 
 class CountingBackend:
     """Wraps a torch.compile backend; records per graph the collectives of the graph it
-    receives, of the graph it hands on (after ``lorc_backend``'s passes), and the shape of
-    its ``input_ids`` (``(1, 1)`` in a decode step) and what ``lorc_backend``'s passes
-    matched."""
+    receives and of the graph it hands on (after ``lorc_backend``'s passes), the shape of its
+    ``input_ids`` (``(1, 1)`` in a decode step) and what ``lorc_backend``'s passes matched."""
 
     def __init__(self, inner):
         self.inner, self.graphs = inner, []
