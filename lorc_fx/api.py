@@ -182,7 +182,7 @@ def group_choices(latent_group: int | None, widths: tuple[int, ...]) -> tuple[in
     return LATENT_GROUPS if len(widths) > 1 else LATENT_GROUPS[:1]
 
 
-def _check_budget(cache_fraction: float | None, bits_per_value: float | None,
+def check_budget(cache_fraction: float | None, bits_per_value: float | None,
                   max_ppl_increase: float | None) -> None:
     """One way to say the budget: ``cache_fraction``, ``bits_per_value`` or
     ``max_ppl_increase`` (a ``ValueError`` naming them where two are given)."""
@@ -270,7 +270,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     process). Per-shard plans take ``rope='commute'`` and bases other than ``attention``
     (``basis='auto'`` is then ``whitened``, with a warning).
     """
-    _check_budget(cache_fraction, bits_per_value, max_ppl_increase)
+    check_budget(cache_fraction, bits_per_value, max_ppl_increase)
     common = dict(schedule=schedule, rope=rope, skip_threshold=skip_threshold,
                   keep_first=keep_first, rank_multiple=rank_multiple, key_fraction=key_fraction,
                   calibration=calibration, objective=objective, latent_bits=latent_bits,
@@ -451,7 +451,7 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
         raise ValueError(f"compress(plan=...) installs a saved plan as it is; "
                          f"{', '.join(given)} cannot change it (plan again without plan=)")
     if plan is None:  # bad options fail before any analysis
-        _check_budget(cache_fraction, plan_options.get("bits_per_value"),
+        check_budget(cache_fraction, plan_options.get("bits_per_value"),
                       plan_options.get("max_ppl_increase"))
         checked_options(cache_fraction,
                         **{k: v for k, v in plan_options.items() if k != "max_ppl_increase"})

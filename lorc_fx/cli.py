@@ -98,8 +98,7 @@ def _latent_bits(text: str) -> int | str:
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
     """The plan options the arguments ask for, checked (``ValueError`` naming the option)."""
-    from lorc_fx.api import checked_options
-    from lorc_fx.search.fraction import check_target
+    from lorc_fx.api import check_budget, checked_options
 
     texts = tuple(t.strip() for t in args.calibration_text.split(",") if t.strip())
     kwargs = dict(rope=args.rope, objective=args.objective, latent_bits=args.latent_bits,
@@ -117,7 +116,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
     bits = getattr(args, "bits_per_value", None)
     checked_options(fraction, bits_per_value=bits, **kwargs)
     if hasattr(args, "cache_fraction"):
-        check_target(args.max_ppl_increase, fraction)
+        check_budget(fraction, bits, args.max_ppl_increase)
         kwargs.update(cache_fraction=fraction, bits_per_value=bits,
                       max_ppl_increase=args.max_ppl_increase)
     return kwargs
