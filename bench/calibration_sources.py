@@ -34,6 +34,20 @@ def calibration_of(source: str) -> CalibrationOptions:
     return CalibrationOptions(texts=tuple(texts.split("+")), tokens=tokens, window=window)
 
 
+def scored_texts(texts: list[str], tokens: int) -> tuple[dict, dict]:
+    """Per text: ``tokens`` tokens of its evaluation part in windows of 512, and the full
+    (uncompressed) default model's scores on them."""
+    tok = load_tokenizer("default")
+    windows = {t: evaluation_windows(tok, load_text(t), tokens, 512) for t in texts}
+    model = load_model("default")
+    full = {}
+    for t in texts:
+        t0 = time.perf_counter()
+        full[t] = score_windows(model, windows[t], False)
+        print(f"full {t} ppl {full[t].ppl:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return windows, full
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sources", default="self,news,self+news,news+austen")
@@ -45,15 +59,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
 
-    tok = load_tokenizer("default")
     texts = args.texts.split(",")
-    windows = {t: evaluation_windows(tok, load_text(t), args.tokens, 512) for t in texts}
-    model = load_model("default")
-    full = {}
-    for t in texts:
-        t0 = time.perf_counter()
-        full[t] = score_windows(model, windows[t], False)
-        print(f"full {t} ppl {full[t].ppl:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    windows, full = scored_texts(texts, args.tokens)
     with open(args.out, "a") as out:
         for fraction in [float(f) for f in args.fractions.split(",")]:
             for source in args.sources.split(","):

@@ -21,9 +21,9 @@ from dataclasses import replace
 import torch
 
 from lorc_fx.api import compress
-from lorc_fx.data.models import load_model, load_tokenizer
-from lorc_fx.data.texts import load_text
-from lorc_fx.eval.evaluate import evaluation_windows, score_windows
+from calibration_sources import scored_texts  # bench/ is on the path of its scripts
+from lorc_fx.data.models import load_model
+from lorc_fx.eval.evaluate import score_windows
 from lorc_fx.plan import calibration
 from lorc_fx.search import split
 
@@ -66,11 +66,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
 
-    tok = load_tokenizer("default")
     texts = args.texts.split(",")
-    windows = {t: evaluation_windows(tok, load_text(t), args.tokens, 512) for t in texts}
-    model = load_model("default")
-    full = {t: score_windows(model, windows[t], False) for t in texts}
+    windows, full = scored_texts(texts, args.tokens)
     with open(args.out, "a") as out:
         for alpha in [float(a) for a in args.alphas.split(",")]:
             shrink_statistics(alpha)
