@@ -23,7 +23,9 @@ What is measured, and how:
   sequence = timed steps / their summed time (× batch for total tok/s). The last
   ``--profile-steps`` steps run under ``torch.profiler`` and are not timed.
   "prefill_incl_compile_s" (stamp 0 − start of generate) includes compiling the prefill
-  graph: it is NOT a prefill speed.
+  graph: it is NOT a prefill speed. "prefill_s" is: a second ``generate`` of one token over
+  the same prompt, timed to its first stamp ("prefill_compiles": graphs Dynamo compiled
+  during it, 0 when the prefill graph was reused).
 - Attention share: ``torch.profiler`` over ``--profile-steps`` decode steps, Inductor
   kernels made visible (``torch._inductor.config.cpp.enable_kernel_profile``). Each event's
   self time (its time minus its profiled children's) is counted once; they sum to the
@@ -159,6 +161,23 @@ def _profile_summary(prof, cache_len: int, steps: int) -> dict:
                         for n, r in top]}
 
 
+def _warm_prefill(model, ids, stamp_cls, stamps) -> tuple[float, int]:
+    """Seconds of a second prefill of the same prompt (one more ``generate``, one token), its
+    graph compiled by the first; and how many frames Dynamo compiled during it (0 if warm)."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import LogitsProcessorList
+
+    stamps.clear()
+    frames = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                       min_new_tokens=1, do_sample=False, cache_implementation="static",
+                       logits_processor=LogitsProcessorList([stamp_cls()]))
+    return stamps[0] - start, counters["stats"]["unique_graphs"] - frames
+
+
 def worker(args) -> dict:
     import torch
     import torch._inductor.config as inductor_config
@@ -218,9 +237,13 @@ def worker(args) -> dict:
                              logits_processor=LogitsProcessorList([Stamp()]),
                              return_dict_in_generate=True)
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    prefill_incl_compile_s = stamps[0] - start
+    prefill_s, prefill_compiles = _warm_prefill(model, ids, Stamp, stamps)
     timed = steps[first_timed - 1:last_timed]
     record.update(
-        prefill_incl_compile_s=stamps[0] - start,
+        prefill_incl_compile_s=prefill_incl_compile_s,
+        prefill_s=prefill_s,
+        prefill_compiles=prefill_compiles,
         warmup_steps_s=steps[:first_timed - 1],
         step_s=timed,
         decode_steps_timed=len(timed),
@@ -270,7 +293,8 @@ def _run_config(args, variant: str, context: int, batch: int) -> dict:
           f"tok/s total), attention {p['attention_share']:.1%}, cache "
           f"{record['cache_bytes'] / 2**20:.1f} MiB, peak decode {record['peak_decode_mb']:.0f} MB, "
           f"process peak {record['peak_process_mb']:.0f} MB, prefill+compile "
-          f"{record['prefill_incl_compile_s']:.1f} s, wall {wall:.0f} s", flush=True)
+          f"{record['prefill_incl_compile_s']:.1f} s, warm prefill {record['prefill_s']:.1f} s "
+          f"({record['prefill_compiles']} graphs compiled in it), wall {wall:.0f} s", flush=True)
     for op in p["top_ops"][:8]:
         print(f"    {op['ms_per_step']:8.2f} ms/step {'A' if op['attention'] else ' '} {op['name']}")
     return record
@@ -295,6 +319,9 @@ def _ratios(results: list[dict], fraction: float) -> list[dict]:
             "peak_decode_minus_load_ratio": (r["peak_decode_mb"] - r["rss_load_mb"])
             / (f["peak_decode_mb"] - f["rss_load_mb"]),
             "peak_process_ratio": r["peak_process_mb"] / f["peak_process_mb"],
+            "prefill_s_full": f.get("prefill_s"), "prefill_s_lorc": r.get("prefill_s"),
+            "prefill_speed_ratio": (f["prefill_s"] / r["prefill_s"]
+                                    if f.get("prefill_s") and r.get("prefill_s") else None),
         })
     return sorted(rows, key=lambda x: (x["rope"], x["batch"], x["context"]))
 
@@ -338,6 +365,10 @@ def _plot(results: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def _markdown(data: dict) -> str:
     rows = data["ratios"]
     lines = [
@@ -348,15 +379,18 @@ def _markdown(data: dict) -> str:
         "(speed > 1: LoRC faster; memory < 1: LoRC smaller). How each number is measured: "
         "docstring of `bench/long_context.py`.", "",
         "| rope | batch | prompt | decode tok/s full → LoRC | speed ratio | attention share full → LoRC "
-        "| cache bytes ratio | peak RSS (decode) ratio | (peak − load RSS) ratio | process peak ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "| cache bytes ratio | peak RSS (decode) ratio | (peak − load RSS) ratio | process peak ratio "
+        "| prefill s full → LoRC | prefill speed ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['rope']} | {r['batch']} | {r['context']} | {r['decode_tok_s_full']:.1f} → "
             f"{r['decode_tok_s_lorc']:.1f} | **{r['decode_speed_ratio']:.2f}** | "
             f"{r['attention_share_full']:.0%} → {r['attention_share_lorc']:.0%} | "
             f"{r['cache_bytes_ratio']:.3f} | {r['peak_decode_ratio']:.2f} | "
-            f"{r['peak_decode_minus_load_ratio']:.2f} | {r['peak_process_ratio']:.2f} |")
+            f"{r['peak_decode_minus_load_ratio']:.2f} | {r['peak_process_ratio']:.2f} | "
+            f"{_num(r['prefill_s_full'], '.1f')} → {_num(r['prefill_s_lorc'], '.1f')} | "
+            f"{_num(r['prefill_speed_ratio'], '.2f')} |")
     lines += ["", "Absolute numbers per run (decode ms/step; tok/s over all sequences; cache MiB; "
               "peak RSS during decode MB; prefill+compile s, which includes compiling):", "",
               "| variant | batch | prompt | ms/step | tok/s | attention share | cache MiB | peak decode MB "

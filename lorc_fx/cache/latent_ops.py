@@ -1,7 +1,9 @@
-"""The two custom ops the latent cache is made of.
+"""The custom ops the latent cache is made of.
 
 ``lorc::project`` turns keys/values ``(b, h_kv, s, d)`` into a latent ``(b, 1, s, r)``;
-``lorc::reconstruct`` turns a latent back into ``(b, h_kv, n, d)``. As ops they reach the
+``lorc::reconstruct`` turns a latent back into ``(b, h_kv, n, d)``;
+``lorc::rotated_reconstruct`` does that and rotates the rebuilt keys by the RoPE angles of
+their positions (keys cached before RoPE, ``reconstruct`` mode). As ops they reach the
 dynamo graph as single nodes whose arguments are the latent and its basis, so the backend
 finds attention over a latent by data flow, not by pattern-matching matmul chains. The
 ``*_math`` functions are the same maths in plain torch ops: the backend swaps them in for
@@ -10,6 +12,8 @@ whatever ops it does not rewrite away, so Inductor can fuse them.
 from __future__ import annotations
 
 import torch
+
+from .rotary import rotate
 
 
 def project_math(states: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -48,6 +52,27 @@ def _(latent, basis, num_heads):
     return latent.new_empty(b, num_heads, n, basis.shape[1] // num_heads)
 
 
+def rotated_reconstruct_math(latent: torch.Tensor, basis: torch.Tensor, num_heads: int,
+                             cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    return rotate(reconstruct_math(latent, basis, num_heads), cos, sin, style)
+
+
+@torch.library.custom_op("lorc::rotated_reconstruct", mutates_args=())
+def rotated_reconstruct(latent: torch.Tensor, basis: torch.Tensor, num_heads: int,
+                        cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Pre-RoPE key latent ``(b, 1, n, r)`` → keys ``(b, h_kv, n, d)`` rotated by ``cos``/``sin``
+    ``(b, n, rotary_dim)`` in the rotary layout ``style`` (``rotary.rotate``)."""
+    return rotated_reconstruct_math(latent, basis, num_heads, cos, sin, style).contiguous()
+
+
+@rotated_reconstruct.register_fake
+def _(latent, basis, num_heads, cos, sin, style):
+    b, _, n, _ = latent.shape
+    return latent.new_empty(b, num_heads, n, basis.shape[1] // num_heads)
+
+
 PROJECT = torch.ops.lorc.project.default
 RECONSTRUCT = torch.ops.lorc.reconstruct.default
-LOWERINGS = {PROJECT: project_math, RECONSTRUCT: reconstruct_math}
+ROTATED_RECONSTRUCT = torch.ops.lorc.rotated_reconstruct.default
+LOWERINGS = {PROJECT: project_math, RECONSTRUCT: reconstruct_math,
+             ROTATED_RECONSTRUCT: rotated_reconstruct_math}

@@ -19,7 +19,7 @@ from transformers.utils import is_torchdynamo_compiling
 
 from lorc_fx.plan.planner import LayerPlan
 
-from .latent_ops import project, reconstruct
+from .latent_ops import project, reconstruct, rotated_reconstruct
 from .quantize import QuantizedTensor, QuantSpec, quantize
 from .rotary import RotaryLog, rotate
 
@@ -70,10 +70,14 @@ class LatentCodec:
         return k, v
 
     def expand(self, keys: torch.Tensor, values: torch.Tensor):
-        k = keys if self.k_basis is None else reconstruct(keys, self.k_rebuild, self.num_kv_heads)
+        if self.k_basis is None:
+            k = keys
+        elif self.rotary is None:
+            k = reconstruct(keys, self.k_rebuild, self.num_kv_heads)
+        else:
+            k = rotated_reconstruct(keys, self.k_rebuild, self.num_kv_heads,
+                                    *self.rotary.angles(keys.shape[-2]), self.rotary.style)
         v = values if self.v_basis is None else reconstruct(values, self.v_rebuild, self.num_kv_heads)
-        if self.rotary is not None and self.k_basis is not None:
-            k = rotate(k, *self.rotary.angles(k.shape[-2]), self.rotary.style)
         return k, v
 
 

@@ -22,11 +22,18 @@ def _turn(x: torch.Tensor, style: str) -> torch.Tensor:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
            inverse: bool = False) -> torch.Tensor:
     """Rotate ``x (b, h, s, d)`` by the angles in ``cos``/``sin`` (or back, with ``inverse``)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return rotate_by(x, cos.unsqueeze(1), sin.unsqueeze(1), style, inverse)
+
+
+def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
+              inverse: bool = False) -> torch.Tensor:
+    """Rotate ``x`` by ``cos``/``sin`` that broadcast against ``x[..., :rotary_dim]``."""
     rd = cos.shape[-1]
     head, rest = x[..., :rd], x[..., rd:]
     turned = head * cos + _turn(head, style) * (-sin if inverse else sin)
-    return torch.cat((turned, rest), dim=-1) if rest.shape[-1] else turned
+    if not rest.shape[-1]:
+        return turned
+    return torch.cat((turned, rest.expand(*turned.shape[:-1], rest.shape[-1])), dim=-1)
 
 
 class RotaryLog:

@@ -22,9 +22,10 @@ from hypothesis import given, settings, strategies as st
 from torch import fx, nn
 from torch._inductor.custom_graph_pass import get_hash_for_files
 
-from lorc_fx.cache.latent_ops import (PROJECT, RECONSTRUCT, project_math, reconstruct_math)
+from lorc_fx.cache.latent_ops import (PROJECT, RECONSTRUCT, ROTATED_RECONSTRUCT, project_math,
+                                     reconstruct_math, rotated_reconstruct_math)
 from lorc_fx.compile import pass_manager
-from lorc_fx.compile.latent_attention import latent_attention
+from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
 from lorc_fx.compile.pass_manager import PASS_ORDER, LorcPassManager
 from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
 from lorc_fx.compile.passes import compress_attention as compress_module
@@ -36,7 +37,7 @@ from lorc_fx.plan.options import CalibrationOptions, PlanOptions
 
 B, H, HKV, D, DIM, T, PAST = 2, 4, 2, 8, 32, 5, 3
 SDPA = F.scaled_dot_product_attention
-LATENT_OPS = (PROJECT, RECONSTRUCT)
+LATENT_OPS = (PROJECT, RECONSTRUCT, ROTATED_RECONSTRUCT)
 
 
 # --------------------------------------------------------------------------- graph helpers
@@ -265,17 +266,18 @@ def test_compress_ignores_weights_that_are_not_parameters():
 
 def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, causal=False,
                       scale=None, as_kwargs=False, plain_value=False, extra_user=None,
-                      key_op=None, dead_code=False):
+                      key_op=None, dead_code=False, rotary=None):
     """``sdpa(q, repeat?(reconstruct(c_k, P_k)), repeat?(reconstruct(c_v, P_v)))`` as the latent
-    cache traces it (``as_kwargs``: SDPA's and the reconstructions' arguments by keyword, as a
+    cache traces it (``rotary``: keys cached before RoPE, ``rotated_reconstruct(c_k, P_k, h_kv,
+    cos, sin, rotary)``) (``as_kwargs``: SDPA's and the reconstructions' arguments by keyword, as a
     graph may spell them). ``spelling``: how keys reach SDPA. ``gqa``: directly, with
     ``enable_gqa``; ``repeat_kv``: ``x[:, :, None].expand(...).reshape(...)`` (transformers);
     ``unsqueeze``: ``x.unsqueeze(2)``...; ``tile``/``tile_unsqueeze``: the new axis before the
     heads, so query head i reads kv head ``i % h_kv`` (not what the absorbed form computes)."""
     g = fx.Graph()
-    q, ck, cv, pk, pv, attn_mask, v_plain, buf, pos = (
+    q, ck, cv, pk, pv, attn_mask, v_plain, buf, pos, cos, sin = (
         g.placeholder(n) for n in ("q", "c_k", "c_v", "p_k", "p_v", "mask", "v_plain", "buf",
-                                   "pos"))
+                                   "pos", "cos", "sin"))
     h = h_kv * rep
 
     def repeat(x):
@@ -301,7 +303,10 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
             return g.call_function(RECONSTRUCT, (latent,), dict(basis=basis, num_heads=h_kv))
         return g.call_function(RECONSTRUCT, (latent, basis, h_kv))
 
-    k = reconstruct(ck, pk)
+    if rotary is None:
+        k = reconstruct(ck, pk)
+    else:
+        k = g.call_function(ROTATED_RECONSTRUCT, (ck, pk, h_kv, cos, sin, rotary))
     key = repeat(k)
     if key_op == "mul":
         key = g.call_function(operator.mul, (key, 2.0))
@@ -325,7 +330,16 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
     return fx.GraphModule(nn.Module(), g)
 
 
-def latent_inputs(h=H, h_kv=HKV, t=3, n=6, r_k=5, r_v=7, mask_dtype=torch.bool, seed=0):
+def rotary_angles(n: int, rotary_dim: int, style: str, gen: torch.Generator):
+    """``(cos, sin)`` ``(B, n, rotary_dim)`` of random angles in the layout ``style`` wants."""
+    angles = torch.rand(B, n, rotary_dim // 2, generator=gen, dtype=torch.float64) * 6
+    per_dim = ((lambda x: torch.cat((x, x), -1)) if style == "half"
+               else (lambda x: x.repeat_interleave(2, -1)))
+    return per_dim(angles.cos()), per_dim(angles.sin())
+
+
+def latent_inputs(h=H, h_kv=HKV, t=3, n=6, r_k=5, r_v=7, mask_dtype=torch.bool, seed=0,
+                  style="half", rotary_dim=D):
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     if mask_dtype is torch.bool:
@@ -335,7 +349,8 @@ def latent_inputs(h=H, h_kv=HKV, t=3, n=6, r_k=5, r_v=7, mask_dtype=torch.bool, 
         mask = rand(B, 1, t, n)
     return [rand(B, h, t, D), rand(B, 1, n, r_k), rand(B, 1, n, r_v), rand(r_k, h_kv * D),
             rand(r_v, h_kv * D), mask, rand(B, h, n, D),
-            torch.zeros(B, 1, n + 2, r_k, dtype=torch.float64), torch.arange(n)]
+            torch.zeros(B, 1, n + 2, r_k, dtype=torch.float64), torch.arange(n),
+            *rotary_angles(n, rotary_dim, style, gen)]
 
 
 def sdpa_nodes(gm):
@@ -399,6 +414,45 @@ def test_absorb_is_exact(h_kv, rep, spelling, mask, t, n, r_k, r_v, scale, as_kw
     assert absorb_latent_attention(gm) == 1
     assert calls(gm) == [latent_attention]
     assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(h_kv=st.sampled_from([1, 2, 3]), rep=st.sampled_from([1, 2, 3]),
+       spelling=st.sampled_from(["gqa", "repeat_kv", "unsqueeze"]),
+       mask=st.sampled_from(["none", "bool", "float"]), t=st.integers(1, 3), n=st.integers(3, 6),
+       r_k=st.integers(1, 9), r_v=st.integers(1, 9), style=st.sampled_from(["half", "interleaved"]),
+       rotary_dim=st.sampled_from([D // 2, D]), scale=st.sampled_from([None, 0.2]),
+       seed=st.integers(0, 9))
+def test_absorb_of_pre_rope_keys_is_exact(h_kv, rep, spelling, mask, t, n, r_k, r_v, style,
+                                          rotary_dim, scale, seed):
+    """Keys cached before RoPE, in a decode-sized graph: keys rebuilt and rotated, values read
+    absorbed, the same as SDPA over both reconstructions (partial rotary dims included)."""
+    gm = latent_sdpa_graph(spelling, h_kv=h_kv, rep=rep, mask=mask != "none", scale=scale,
+                           rotary=style)
+    inputs = latent_inputs(h_kv * rep, h_kv, t, n, r_k, r_v,
+                           torch.float64 if mask == "float" else torch.bool, seed, style,
+                           rotary_dim)
+    record_examples(gm, *inputs)
+    expected = gm(*inputs)
+    assert absorb_latent_attention(gm) == 1
+    assert calls(gm) == [rotary_latent_attention]
+    assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("why", ["prefill", "causal", "no_example_values"])
+def test_absorb_leaves_prefill_over_pre_rope_keys_alone(why, monkeypatch):
+    """Over pre-RoPE keys the absorbed form materialises its scores: it is taken only for a
+    query length known to be small, without ``is_causal``; prefill keeps SDPA."""
+    monkeypatch.setattr(absorb_module, "MAX_DECODE_QUERY", 2)
+    gm = latent_sdpa_graph("repeat_kv", mask=why != "causal", causal=why == "causal",
+                           rotary="half")
+    inputs = latent_inputs(t=3 if why == "prefill" else 2)
+    if why != "no_example_values":
+        record_examples(gm, *inputs)
+    expected, before = gm(*inputs), snapshot(gm)
+    assert absorb_latent_attention(gm) == 0
+    assert snapshot(gm) == before
+    assert_same(gm(*inputs), expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("variant", [
@@ -538,6 +592,11 @@ def test_lowerings_are_the_ops_maths(r):
     torch.testing.assert_close(project_math(states, basis), latent)
     torch.testing.assert_close(reconstruct_math(latent, basis, HKV),
                                torch.ops.lorc.reconstruct(latent, basis, HKV))
+    for style in ("half", "interleaved"):
+        cos, sin = rotary_angles(T, D, style, gen)
+        torch.testing.assert_close(
+            rotated_reconstruct_math(latent, basis, HKV, cos, sin, style),
+            torch.ops.lorc.rotated_reconstruct(latent, basis, HKV, cos, sin, style))
 
 
 # ------------------------------------- invariant 3 for every pass: no dead-code elimination
