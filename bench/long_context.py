@@ -309,7 +309,9 @@ def _ratios(results: list[dict], fraction: float) -> list[dict]:
             continue
         f = full[(r["context"], r["batch"])]
         rows.append({
-            "rope": r["variant"], "context": r["context"], "batch": r["batch"],
+            "rope": (r["variant"] if r.get("rope") in (None, r["variant"])
+                     else f"{r['variant']} → {r['rope']}"),
+            "context": r["context"], "batch": r["batch"],
             "decode_tok_s_full": f["decode_tok_s_total"], "decode_tok_s_lorc": r["decode_tok_s_total"],
             "decode_speed_ratio": r["decode_tok_s_total"] / f["decode_tok_s_total"],
             "attention_share_full": f["profile"]["attention_share"],
@@ -319,6 +321,11 @@ def _ratios(results: list[dict], fraction: float) -> list[dict]:
             "peak_decode_minus_load_ratio": (r["peak_decode_mb"] - r["rss_load_mb"])
             / (f["peak_decode_mb"] - f["rss_load_mb"]),
             "peak_process_ratio": r["peak_process_mb"] / f["peak_process_mb"],
+            # attention by difference: what LoRC's step spends beyond the full model's
+            # non-attention time (weights, norms, overhead: the same work in both)
+            "attention_ms_full": f["decode_step_ms"] * f["profile"]["attention_share"],
+            "attention_ms_lorc_by_difference": r["decode_step_ms"]
+            - f["decode_step_ms"] * (1 - f["profile"]["attention_share"]),
             "prefill_s_full": f.get("prefill_s"), "prefill_s_lorc": r.get("prefill_s"),
             "prefill_speed_ratio": (f["prefill_s"] / r["prefill_s"]
                                     if f.get("prefill_s") and r.get("prefill_s") else None),
@@ -391,6 +398,17 @@ def _markdown(data: dict) -> str:
             f"{r['peak_decode_minus_load_ratio']:.2f} | {r['peak_process_ratio']:.2f} | "
             f"{_num(r['prefill_s_full'], '.1f')} → {_num(r['prefill_s_lorc'], '.1f')} | "
             f"{_num(r['prefill_speed_ratio'], '.2f')} |")
+    lines += ["", "Attention time per decode step, LoRC by difference (its step time minus the full "
+              "model's non-attention time, as the profiler's shape rule misses the mm that rebuilds "
+              "keys from the latent), against #14's goal of at most 1.2 × cache bytes ratio × full "
+              "attention time:", "",
+              "| rope | batch | prompt | full attention ms | LoRC attention ms | ratio | goal ≤ |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["attention_ms_lorc_by_difference"] / r["attention_ms_full"]
+        lines.append(f"| {r['rope']} | {r['batch']} | {r['context']} | {r['attention_ms_full']:.0f} | "
+                     f"{r['attention_ms_lorc_by_difference']:.0f} | {ratio:.2f} | "
+                     f"{1.2 * r['cache_bytes_ratio']:.2f} |")
     lines += ["", "Absolute numbers per run (decode ms/step; tok/s over all sequences; cache MiB; "
               "peak RSS during decode MB; prefill+compile s, which includes compiling):", "",
               "| variant | batch | prompt | ms/step | tok/s | attention share | cache MiB | peak decode MB "

@@ -245,8 +245,8 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     lower held-out calibration loss; without calibration, ``commute``. Caching keys before
     RoPE lets a data-aware key basis ignore the rotation (bench/quality.md: much better on
     SmolLM2), but the cache then keeps the angles too, which a small model's budget may not
-    repay; and decode then rebuilds keys over the whole context every step, several times
-    slower than the full cache at long context (bench/results/long_context-cpu.md):
+    repay; and decode then rebuilds keys over the whole context every step, which on CPU costs
+    about what full attention does (bench/results/long_context-cpu.md):
     ``objective="speed"`` plans ``commute`` only. The plan's options record the basis and
     mode used. A model without attention
     the analysis can compress raises :class:`NoAttentionFound`.

@@ -51,7 +51,7 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
     p.add_argument("--objective", default="quality",
                    help="what --rope auto optimises: quality (held-out loss) | speed (only "
                         "commute, whose keys decode reads without rebuilding them; reconstruct "
-                        "decodes several times slower at long context)")
+                        "rebuilds them every step, so decodes slower at long context)")
     p.add_argument("--skip-threshold", type=float, default=None,
                    help="layers whose cumulative condition number exceeds this stay full")
     p.add_argument("--keep-first", type=int, default=0, help="the first N layers stay full")

@@ -38,8 +38,9 @@ def plan_table(plan: Plan) -> str:
     if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):
         lines.append(
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
-            "every decode step, slower than the full cache at long context; "
-            "objective='speed' (--objective speed) caches keys after RoPE instead")
+            "every decode step, so long-context decode gains less speed than the cache shrinks "
+            "(bench/results/long_context-cpu.md); objective='speed' (--objective speed) caches "
+            "keys after RoPE instead")
     if plan.kind == "plain":
         lines.append(f"plain KV quantization: keys (after RoPE) and values stored as they are, "
                      f"as {o.latent_bits}-bit codes per channel over groups of {o.latent_group} "
