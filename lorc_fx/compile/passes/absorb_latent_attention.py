@@ -11,7 +11,7 @@ With post-RoPE keys the SDPA becomes ``latent_attention`` (the query goes throug
 per-head blocks of ``P_k``, attention runs once over the shared latent, the output comes back
 through ``P_v``). With pre-RoPE keys, in a graph of at most ``MAX_DECODE_QUERY`` query tokens
 (decode steps, draft verification), it becomes ``rotary_latent_attention``: keys rebuilt
-and rotated, values absorbed. Both exact; neither builds a ``(b, h, n, d)`` repeat of the
+and scored against queries turned back by each key's angle, values absorbed. Both exact; neither builds a ``(b, h, n, d)`` repeat of the
 heads. Prefill over pre-RoPE keys keeps SDPA over the rebuilt keys and values (the fused
 attention, and scores never materialised), and the ops are lowered to maths.
 """
