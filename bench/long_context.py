@@ -161,27 +161,37 @@ def _profile_summary(prof, cache_len: int, steps: int) -> dict:
                         for n, r in top]}
 
 
-def _warm_prefill(model, ids, stamp_cls, stamps) -> tuple[float, int]:
+def _generate(model, ids, new_tokens: int, stamp):
+    """One greedy ``generate`` of exactly ``new_tokens`` with a static cache, ``stamp`` (a
+    ``LogitsProcessor``) seeing every step; returns its output and its start time."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False,
+                             cache_implementation="static",
+                             logits_processor=LogitsProcessorList([stamp]),
+                             return_dict_in_generate=True)
+    return out, start
+
+
+def _warm_prefill(model, ids, stamp, stamps) -> tuple[float, int]:
     """Seconds of a second prefill of the same prompt (one more ``generate``, one token), its
     graph compiled by the first; and how many frames Dynamo compiled during it (0 if warm)."""
-    import torch
     from torch._dynamo.utils import counters
-    from transformers import LogitsProcessorList
 
     stamps.clear()
     frames = counters["stats"]["unique_graphs"]
-    with torch.no_grad():
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
-                       min_new_tokens=1, do_sample=False, cache_implementation="static",
-                       logits_processor=LogitsProcessorList([stamp_cls()]))
+    _, start = _generate(model, ids, 1, stamp)
     return stamps[0] - start, counters["stats"]["unique_graphs"] - frames
 
 
 def worker(args) -> dict:
     import torch
     import torch._inductor.config as inductor_config
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor
     import lorc_fx
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -230,15 +240,10 @@ def worker(args) -> dict:
                 prof.stop()
             return scores
 
-    with torch.no_grad():
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, cache_implementation="static",
-                             logits_processor=LogitsProcessorList([Stamp()]),
-                             return_dict_in_generate=True)
+    out, start = _generate(model, ids, n, Stamp())
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     prefill_incl_compile_s = stamps[0] - start
-    prefill_s, prefill_compiles = _warm_prefill(model, ids, Stamp, stamps)
+    prefill_s, prefill_compiles = _warm_prefill(model, ids, Stamp(), stamps)
     timed = steps[first_timed - 1:last_timed]
     record.update(
         prefill_incl_compile_s=prefill_incl_compile_s,
