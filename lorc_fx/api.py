@@ -82,25 +82,35 @@ def _sample_ahead(model: nn.Module, blocks: list[AttentionBlock], options: PlanO
             pass  # resolve() falls back and says why
 
 
+def _layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: int
+                  ) -> list[LayerInput]:
+    """The layers' weights and layouts, with the layers transformers builds its own cache
+    layer for marked (they stay full, as built)."""
+    inputs = layer_inputs(named_params(model), blocks, shards)
+    kept = layers_kept_as_built(getattr(model, "config", None))
+    for layer in inputs:
+        if layer.layer in kept:
+            layer.compress_k = layer.compress_v = False
+            layer.kept_as_built = True
+            layer.note = (f"kept full: transformers builds its own {kept[layer.layer]} cache "
+                          "layer here")
+    return inputs
+
+
 def _plan_inputs(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions
                  ) -> tuple[PlanOptions, list[LayerInput], str]:
     """The options with the basis resolved for one RoPE mode, the layers' inputs (bases'
     metrics attached) and the basis note."""
     basis, metrics, note = resolve(options.basis, model, blocks, options)
     options = replace(options, basis=basis)
-    inputs = layer_inputs(named_params(model), blocks, options.shards)
-    kept = layers_kept_as_built(getattr(model, "config", None))
+    inputs = _layer_inputs(model, blocks, options.shards)
     block_of = {b.layer: b for b in blocks}
     for layer in inputs:
-        if layer.layer in kept:
-            layer.compress_k = layer.compress_v = False
-            layer.note = (f"kept full: transformers builds its own {kept[layer.layer]} cache "
-                          "layer here")
         metric = metrics.get(layer.layer)
         if metric is not None:
             layer.input_gram = metric.input_gram
             layer.k_spectrum, layer.v_spectrum = metric.k_spectrum, metric.v_spectrum
-            if metric.k_of_cached_keys and not layer.compress_k and layer.layer not in kept \
+            if metric.k_of_cached_keys and not layer.compress_k and not layer.kept_as_built \
                     and block_of[layer.layer].k_path == "norm":
                 layer.compress_k, layer.keys_after_rope = True, True
                 layer.note = "keys behind a norm: basis of the keys the cache receives"

@@ -11,21 +11,38 @@ from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, Dynamic
 from lorc_fx.plan.options import STORED_FLOAT_BITS
 from lorc_fx.plan.planner import Plan
 
-from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer, QuantizedLatentDynamicLayer
+from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer
 from .quantize import QuantSpec
+from .quantized_layers import QuantizedLatentDynamicLayer
 from .rotary import RotaryLog
+
+SideSpecs = tuple[QuantSpec | None, QuantSpec | None]  # (keys, values); None: not quantized
 
 
 def codecs(plan: Plan) -> dict[int, LatentCodec]:
-    """The codec of every layer the plan does not skip, by layer index."""
+    """The codec of every layer the plan does not skip, by layer index. A plain plan's
+    identity bases are not applied: its cache stores the keys and values themselves."""
+    if plan.kind == "plain":
+        return {l.layer: LatentCodec(None, None, l.num_kv_heads) for l in plan.layers
+                if not l.skipped}
     return {l.layer: LatentCodec.of(l) for l in plan.layers if not l.skipped}
 
 
-def latent_spec(plan: Plan) -> QuantSpec | None:
-    """How the plan's latents are stored: per channel over groups of ``latent_group`` tokens
-    at ``latent_bits`` bits (scales in the model's dtype); ``None`` at 16 bits."""
+def side_specs(plan: Plan) -> dict[int, SideSpecs]:
+    """How each layer's sides are stored (``Plan.side_groups``): latents per channel over
+    groups of ``latent_group`` tokens, a plain plan's values per token; scales in the model's
+    dtype. Empty where nothing is quantized."""
     bits = plan.options.latent_bits
-    return None if bits == 16 else QuantSpec.per_channel(bits, plan.options.latent_group)
+    if bits == 16:
+        return {}
+    out = {}
+    for layer in plan.layers:
+        (k_group, k_axis), (v_group, v_axis) = plan.side_groups(layer)
+        make = lambda group, axis: None if group is None else QuantSpec(bits, group, axis)
+        specs = (make(k_group, k_axis), make(v_group, v_axis))
+        if specs != (None, None):
+            out[layer.layer] = specs
+    return out
 
 
 def layers_kept_as_built(config) -> dict[int, str]:
@@ -49,20 +66,21 @@ class LatentCache(Cache):
     @classmethod
     def from_cache(cls, cache: Cache, plan: Plan) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``plan`` compresses
-        (latents quantized as ``plan.options.latent_bits`` / ``latent_group`` say)."""
-        return cls.from_codecs(cache, codecs(plan), latent_spec(plan))
+        (sides quantized as ``plan.options.latent_bits`` / ``latent_group`` say)."""
+        return cls.from_codecs(cache, codecs(plan), side_specs(plan))
 
     @classmethod
     def from_codecs(cls, cache: Cache, bases: dict[int, LatentCodec],
-                    quant: QuantSpec | None = None) -> "LatentCache":
+                    quant: dict[int, SideSpecs] | None = None) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers;
-        with a ``quant`` spec (per channel, fewer than 16 bits) the latents are stored
-        quantized (:class:`QuantizedLatentDynamicLayer`; dynamic caches only)."""
+        a layer with ``quant`` specs stores those sides quantized
+        (:class:`QuantizedLatentDynamicLayer`; dynamic caches only)."""
         static = [l for l in cache.layers if type(l) is StaticLayer]
-        quant = quant if quant is not None and quant.quantized else None
-        if quant is not None and any(i in bases for i, l in enumerate(cache.layers)
-                                     if type(l) is StaticLayer):
-            raise ValueError(f"latent_bits={quant.bits}: quantized latents are supported in a "
+        quant = quant or {}
+        if any(i in bases and i in quant for i, l in enumerate(cache.layers)
+               if type(l) is StaticLayer):
+            bits = next(s.bits for specs in quant.values() for s in specs if s is not None)
+            raise ValueError(f"latent_bits={bits}: quantized latents are supported in a "
                              "dynamic cache only; use the dynamic cache or latent_bits=16 for a "
                              "static one")
         styles = {b.rope_style for b in bases.values() if b.rope_style}
@@ -79,8 +97,8 @@ class LatentCache(Cache):
                 owns = log_owner == i
                 if type(layer) is StaticLayer:
                     layer = LatentStaticLayer(layer.max_cache_len, b, owns)
-                elif quant is not None:
-                    layer = QuantizedLatentDynamicLayer(b, quant, owns)
+                elif i in quant:
+                    layer = QuantizedLatentDynamicLayer(b, *quant[i], owns)
                 else:
                     layer = LatentDynamicLayer(b, owns)
             layers.append(layer)

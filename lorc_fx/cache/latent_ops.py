@@ -3,7 +3,8 @@
 ``lorc::project`` turns keys/values ``(b, h_kv, s, d)`` into a latent ``(b, 1, s, r)``;
 ``lorc::reconstruct`` turns a latent back into ``(b, h_kv, n, d)``;
 ``lorc::rotated_reconstruct`` does that and rotates the rebuilt keys by the RoPE angles of
-their positions (keys cached before RoPE, ``reconstruct`` mode). As ops they reach the
+their positions (keys cached before RoPE, ``reconstruct`` mode); ``lorc::dequantize`` turns
+the packed codes of a quantized side back into floats. As ops they reach the
 dynamo graph as single nodes whose arguments are the latent and its basis, so the backend
 finds attention over a latent by data flow, not by pattern-matching matmul chains. The
 ``*_math`` functions are the same maths in plain torch ops: the backend swaps them in for
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .quantize import QuantizedTensor, QuantSpec
+from .quantize import dequantize as dequantize_math
 from .rotary import rotate
 
 
@@ -71,8 +74,48 @@ def _(latent, basis, num_heads, cos, sin, style):
     return latent.new_empty(b, num_heads, n, basis.shape[1] // num_heads)
 
 
+def _quantized(payload, scale, zero, bits: int, group: int, axis: int, length: int
+               ) -> QuantizedTensor:
+    """The ``QuantizedTensor`` of a ``(b, h, length, d)`` cache side whose codes are
+    ``payload`` (``quantize.py``'s layout; ``axis`` -2 per channel, -1 per token)."""
+    b, h = payload.shape[:2]
+    if axis == -2:  # (b, h, d, groups, bytes)
+        d = payload.shape[2]
+    else:  # (b, h, n, groups, bytes): channels padded to whole groups
+        d = payload.shape[3] * group
+    return QuantizedTensor(payload, scale, zero, QuantSpec(bits, group, axis),
+                           (b, h, length, d), scale.dtype)
+
+
+def dequantize_codes_math(payload, scale, zero, bits: int, group: int, axis: int, length: int,
+                          width: int) -> torch.Tensor:
+    out = dequantize_math(_quantized(payload, scale, zero, bits, group, axis, length))
+    return out[..., :width]
+
+
+@torch.library.custom_op("lorc::dequantize", mutates_args=())
+def dequantize_codes(payload: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                     group: int, axis: int, length: int, width: int) -> torch.Tensor:
+    """Packed codes of a quantized cache side → ``(b, h, length, width)`` in the scales' dtype
+    (``quantize.dequantize``): one node in a traced graph, so the backend finds attention
+    over quantized latents by data flow, as it does over ``lorc::reconstruct``."""
+    return dequantize_codes_math(payload, scale, zero, bits, group, axis, length, width).contiguous()
+
+
+@dequantize_codes.register_fake
+def _(payload, scale, zero, bits, group, axis, length, width):
+    return scale.new_empty(payload.shape[0], payload.shape[1], length, width)
+
+
+def dequantized(q: QuantizedTensor) -> torch.Tensor:
+    """``q`` dequantized through ``lorc::dequantize``."""
+    return dequantize_codes(q.payload, q.scale, q.zero, q.spec.bits, q.spec.group,
+                            -2 if q.spec.axis % 4 == 2 else -1, q.shape[2], q.shape[3])
+
+
 PROJECT = torch.ops.lorc.project.default
 RECONSTRUCT = torch.ops.lorc.reconstruct.default
 ROTATED_RECONSTRUCT = torch.ops.lorc.rotated_reconstruct.default
+DEQUANTIZE = torch.ops.lorc.dequantize.default
 LOWERINGS = {PROJECT: project_math, RECONSTRUCT: reconstruct_math,
-             ROTATED_RECONSTRUCT: rotated_reconstruct_math}
+             ROTATED_RECONSTRUCT: rotated_reconstruct_math, DEQUANTIZE: dequantize_codes_math}

@@ -253,6 +253,55 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
     return y.to(q.dtype)
 
 
+# ---------------------------------------------------------------- the token axis of a cache tensor
+
+def _token_dims(q: QuantizedTensor) -> tuple[int, int, int]:
+    """Where the token axis of a quantized ``(b, h, n, d)`` cache tensor lies: (its dim in the
+    payload, its dim in scale/zero, tokens per index along it). Per channel the groups run
+    along the tokens (payload ``(b, h, d, groups, bytes)``: one index a group); per token
+    along the channels (payload ``(b, h, n, groups, bytes)``: one index a token)."""
+    if q.spec.axis % 4 == 2:
+        return -2, -1, q.spec.group
+    return 2, 2, 1
+
+
+def token_count(q: QuantizedTensor | None) -> int:
+    return 0 if q is None else q.shape[2]
+
+
+def cat_tokens(q: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
+    """``q`` followed by ``new`` along the token axis (per channel: both whole groups)."""
+    if q is None:
+        return new
+    dim, scale_dim, _ = _token_dims(q)
+    shape = (*new.shape[:2], q.shape[2] + new.shape[2], new.shape[3])
+    return QuantizedTensor(torch.cat([q.payload, new.payload], dim=dim),
+                           torch.cat([q.scale, new.scale], dim=scale_dim),
+                           torch.cat([q.zero, new.zero], dim=scale_dim), q.spec, shape, q.dtype)
+
+
+def first_tokens(q: QuantizedTensor, tokens: int) -> QuantizedTensor | None:
+    """The first ``tokens`` tokens of ``q`` (per channel: whole groups), copied so the rest is
+    freed; ``None`` for none."""
+    if tokens == 0:
+        return None
+    dim, scale_dim, per = _token_dims(q)
+    if tokens % per:
+        raise ValueError(f"{tokens} tokens are not whole groups of {per}")
+    cut = lambda t, d: t.narrow(d, 0, tokens // per).clone()
+    return QuantizedTensor(cut(q.payload, dim), cut(q.scale, scale_dim), cut(q.zero, scale_dim),
+                           q.spec, (*q.shape[:2], tokens, q.shape[3]), q.dtype)
+
+
+def map_batch(q: QuantizedTensor | None, fn) -> QuantizedTensor | None:
+    """``q`` with ``fn`` (an operation on the batch axis 0) applied to its tensors."""
+    if q is None:
+        return None
+    payload = fn(q.payload)
+    return QuantizedTensor(payload, fn(q.scale), fn(q.zero), q.spec,
+                           (payload.shape[0], *q.shape[1:]), q.dtype)
+
+
 def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, int]:
     """``dequantize(quantize(x))`` and the bytes the quantized form holds."""
     q = quantize(x, spec)

@@ -43,6 +43,8 @@ class LayerInput:
     k_spectrum: Spectrum | None = None
     v_spectrum: Spectrum | None = None
     shards: int = 1  # bases block-diagonal over this many equal groups of KV heads
+    # transformers builds its own cache layer here (sliding window, ...): it stays as built
+    kept_as_built: bool = False
 
     @cached_property
     def kappa(self) -> tuple[float, float]:
@@ -214,24 +216,42 @@ class Plan:
         full = sum(l.k_full + l.v_full for l in self.layers)
         return full, sum(l.k_rank + l.v_rank for l in self.layers) + self.rotary_log
 
+    def side_groups(self, layer: LayerPlan) -> tuple[tuple[int | None, int], tuple[int | None, int]]:
+        """How ``layer``'s keys and values are quantized, as ``(group, axis)`` each: ``axis``
+        -2 per channel over groups of ``group`` tokens, -1 per token over groups of ``group``
+        channels; ``group`` None where the side stays in the model's dtype (latents not
+        quantized, a skipped layer, a raw or zero-wide side). Latents go per channel; a plain
+        plan's keys per channel and values per token within each head (KIVI's layout)."""
+        o = self.options
+        if o.latent_bits == 16 or layer.skipped:
+            return (None, -2), (None, -2)
+        if self.kind == "plain":
+            return (o.latent_group, -2), (value_token_group(layer.head_dim, o.latent_group), -1)
+        side = lambda compressible, rank: (o.latent_group if compressible and rank else None, -2)
+        return side(layer.k_compressible, layer.k_rank), side(layer.v_compressible, layer.v_rank)
+
     def quantized_elements_per_token(self) -> int:
-        """Elements per token the cache stores as ``options.latent_bits``-bit codes: the
-        latents of every compressed side (raw sides, skipped layers and the RoPE angle log stay
-        in the model's dtype). 0 when latents are not quantized."""
-        if self.options.latent_bits == 16:
-            return 0
-        return sum((l.k_rank if l.k_compressible else 0) + (l.v_rank if l.v_compressible else 0)
-                   for l in self.layers if not l.skipped)
+        """Elements per token the cache stores as ``options.latent_bits``-bit codes
+        (``side_groups``); 0 when nothing is quantized."""
+        total = 0
+        for l in self.layers:
+            (k_group, _), (v_group, _) = self.side_groups(l)
+            total += (l.k_rank if k_group else 0) + (l.v_rank if v_group else 0)
+        return total
 
     def bits_per_token(self, float_bits: int) -> float:
         """Bits the cache holds per token per sequence where a stored float has
-        ``float_bits`` bits: latent codes with their scales and zero points, unquantized
-        latents, raw sides and the RoPE angle log. Exact for a sequence of whole groups of
-        ``latent_group`` tokens (the last, partial group sits in the full-precision window)."""
+        ``float_bits`` bits: codes with their scales and zero points (one of each per group,
+        ``side_groups``), unquantized latents, raw sides and the RoPE angle log. Exact for a
+        sequence of whole groups of ``latent_group`` tokens (the last, partial group sits in
+        the full-precision window)."""
         _, kept = self.cache_elements_per_token()
-        quantized = self.quantized_elements_per_token()
-        return ((kept - quantized) * float_bits
-                + quantized * self.options.latent_bits_per_value(float_bits))
+        bits = kept * float_bits
+        for l in self.layers:
+            for (group, _), rank in zip(self.side_groups(l), (l.k_rank, l.v_rank)):
+                if group:
+                    bits += rank * (self.options.latent_bits + 2 * float_bits / group - float_bits)
+        return bits
 
     def cache_bytes_per_token(self, dtype_bytes: int) -> tuple[int, float]:
         """(full, compressed) cache bytes per token per sequence for a model whose dtype has
@@ -284,6 +304,12 @@ def _local_layer(layer: LayerPlan, index: int, count: int) -> LayerPlan:
                    num_kv_heads=layer.num_kv_heads // count,
                    k_basis=rows(layer.k_basis, k_w), v_basis=rows(layer.v_basis, v_w),
                    k_rebuild=rows(layer.k_rebuild, k_w), v_rebuild=rows(layer.v_rebuild, v_w))
+
+
+def value_token_group(head_dim: int, group: int) -> int:
+    """Channels per scale of values quantized per token: ``group`` where it divides the head
+    dim, else the whole head (a group never spans two heads)."""
+    return group if head_dim % group == 0 else head_dim
 
 
 def element_budget(options: PlanOptions, full: int, fixed: int, rotary_log: int,
@@ -460,12 +486,13 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions,
 
 def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
                          dtype_bits: int | None = None) -> Plan:
-    """Plain KV-cache quantization as a plan: every layer at full width with identity bases,
-    so the latent cache stores the (post-RoPE) keys and values themselves as
-    ``options.latent_bits``-bit codes, per channel over groups of ``latent_group`` tokens
-    (KIVI's key layout, for values too). Sides the plan cannot compress (keys behind a norm)
-    stay raw. The bit-width search (``lorc_fx.search.bits``) measures it beside the low-rank
-    plans, so at equal bytes a plan it keeps never loses to it on calibration data."""
+    """Plain KV-cache quantization as a plan: every layer at full width with identity bases
+    (``kind == "plain"``), and the cache stores the keys (after any norm and RoPE) and values
+    themselves as ``options.latent_bits``-bit codes, keys per channel over groups of
+    ``latent_group`` tokens and values per token (KIVI's layout, ``Plan.side_groups``).
+    Layers transformers builds its own cache layer for stay as built (``skipped``). The
+    bit-width search (``lorc_fx.search.bits``) measures it beside the low-rank plans, so at
+    equal bytes a plan it keeps never loses to it on calibration data."""
     if options.latent_bits == 16:
         raise ValueError("a plain quantized plan needs latent_bits 8 or 4")
     if dtype_bits is None:
@@ -478,11 +505,11 @@ def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
         v_eye = torch.eye(l.v_weight.shape[0], dtype=torch.float64)
         plans.append(LayerPlan(
             layer=l.layer, k_full=len(k_eye), v_full=len(v_eye), k_rank=len(k_eye),
-            v_rank=len(v_eye), skipped=False, kappa_k=kk, kappa_v=kv, log_kappa_cum=lk,
-            num_heads=l.num_heads, num_kv_heads=l.num_kv_heads, head_dim=l.head_dim,
-            rope=l.rope, k_latent_of="post_rope", k_basis=k_eye, v_basis=v_eye,
-            k_rebuild=k_eye, v_rebuild=v_eye, k_compressible=l.compress_k,
-            v_compressible=l.compress_v, note=l.note))
+            v_rank=len(v_eye), skipped=l.kept_as_built, kappa_k=kk, kappa_v=kv,
+            log_kappa_cum=lk, num_heads=l.num_heads, num_kv_heads=l.num_kv_heads,
+            head_dim=l.head_dim, rope=l.rope, k_latent_of="post_rope", k_basis=k_eye,
+            v_basis=v_eye, k_rebuild=k_eye, v_rebuild=v_eye,
+            note=l.note if l.kept_as_built else ""))
     plan = Plan(plans, options, (0.0, 0.0), 0, dtype_bits=dtype_bits, kind="plain")
     reached = plan.bits_per_value if options.bits_per_value is not None else plan.cache_fraction
     plan.reachable = (reached, reached)

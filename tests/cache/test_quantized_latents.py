@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicCache
 
 from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
-from lorc_fx.cache.layers import QuantizedLatentDynamicLayer
+from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
 from lorc_fx.cache.quantize import QuantSpec
 from lorc_fx.compile.backend import LorcBackend
 from lorc_fx.plan.options import PlanOptions
@@ -158,10 +158,10 @@ def half_step_error(layer: QuantizedLatentDynamicLayer, got: torch.Tensor, exact
     assert torch.equal(got[..., n:, :], exact[..., n:, :])
     if quant is None:
         return
-    g = layer.spec.group
+    g = layer.group
     step = quant.scale.float().repeat_interleave(g, dim=-1).transpose(-1, -2)  # (b, 1, n, r)
     zero = quant.zero.float().repeat_interleave(g, dim=-1).transpose(-1, -2)
-    slack = 4 * torch.finfo(torch.float32).eps * (zero.abs() + step * (2 ** layer.spec.bits - 1))
+    slack = 4 * torch.finfo(torch.float32).eps * (zero.abs() + step * (2 ** quant.spec.bits - 1))
     err = (got[..., :n, :] - exact[..., :n, :]).abs()
     assert bool((err <= step / 2 + slack).all()), float((err - step / 2).max())
 
@@ -175,7 +175,8 @@ def test_layer_round_trip_within_half_a_step(bits, group, k_rank, v_rank, batch,
                                              ops):
     spec = QuantSpec.per_channel(bits, group)
     codec = LatentCodec(orthonormal_rows(k_rank, seed), orthonormal_rows(v_rank, seed + 1), KV_HEADS)
-    cache = LatentCache.from_codecs(DynamicCache(config=CONFIG), {0: codec}, spec)
+    specs = tuple(spec if rank else None for rank in (k_rank, v_rank))
+    cache = LatentCache.from_codecs(DynamicCache(config=CONFIG), {0: codec}, {0: specs})
     layer = cache.layers[0]
     assert isinstance(layer, QuantizedLatentDynamicLayer)
     gen = torch.Generator().manual_seed(seed)

@@ -93,9 +93,12 @@ def test_an_unreachable_bit_budget_is_said_in_bits():
                     dtype_bits=16)
 
 
-@pytest.mark.parametrize("bits, group, expected", [(8, 64, 8.5), (4, 64, 4.5), (4, 32, 5.0)])
-def test_plain_quantized_plan_is_full_width_identity(bits, group, expected):
-    layers = random_layers(3)
+@pytest.mark.parametrize("bits, group, head_dim, expected", [
+    (8, 64, 64, 8.5), (4, 64, 64, 4.5), (4, 32, 64, 5.0),
+    # values per token within a head: a head of 8 channels is one group (4 bits of scale)
+    (8, 64, 8, (8.5 + 12) / 2), (4, 4, 8, (4 + 8 + 4 + 8) / 2)])
+def test_plain_quantized_plan_is_full_width_identity(bits, group, head_dim, expected):
+    layers = random_layers(3, head_dim=head_dim)
     plan = plain_quantized_plan(layers, PlanOptions(latent_bits=bits, latent_group=group,
                                                     rope="reconstruct"), dtype_bits=16)
     assert plan.kind == "plain" and plan.options.rope == "commute" and plan.rotary_log == 0
@@ -103,6 +106,7 @@ def test_plain_quantized_plan_is_full_width_identity(bits, group, expected):
         assert torch.equal(layer.k_basis, torch.eye(layer.k_full, dtype=torch.float64))
         assert torch.equal(layer.v_rebuild, torch.eye(layer.v_full, dtype=torch.float64))
         assert layer.k_latent_of == "post_rope" and not layer.skipped
+        assert plan.side_groups(layer) == ((group, -2), (min(group, head_dim), -1))
     assert plan.bits_per_value == expected
     assert math.isclose(plan.cache_fraction, expected / 16)
     with pytest.raises(ValueError, match="latent_bits 8 or 4"):
