@@ -25,7 +25,8 @@ from lorc_fx.cache import install, layers_kept_as_built
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.calibration import (CalibrationUnavailable, cache_path, calibration_tokenizer,
-                                      sample_self_text, self_text_request, usable_calibration)
+                                      can_read, sample_self_text, sampled_before,
+                                      self_text_request, usable_calibration)
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.options import (LATENT_BITS, LATENT_GROUPS, ROPE_MODES, SELF_TEXT,
                                   CalibrationOptions, PlanOptions)
@@ -33,7 +34,8 @@ from lorc_fx.plan.planner import (LayerInput, Plan, layer_inputs, plain_quantize
                                   plan_layers)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.report import CompressionReport
-from lorc_fx.search.bits import Candidate, best_candidate, candidates
+from lorc_fx.search.bits import (NEGLIGIBLE_LOSS, Candidate, best_candidate, candidates,
+                                 over_budget)
 from lorc_fx.search.fraction import bisection_steps, check_target, smallest_fraction
 from lorc_fx.search.split import (calibration_loss, held_out_calibration, held_out_loss,
                                   held_out_windows, measured_split)
@@ -67,13 +69,12 @@ def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock],
 
 
 def _sample_ahead(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-                  held_out: bool) -> None:
-    """Before a first calibration on text sampled from the model, sample the calibration
-    sequences and (``held_out``) those of the split search in one pass: side by side they
-    cost little more than the calibration's alone."""
+                  wanted: list[CalibrationOptions]) -> None:
+    """Before a first calibration on text sampled from the model, sample the sequences of
+    every ``wanted`` calibration in one pass: side by side they cost little more than the
+    largest alone."""
     if cache_path(model, blocks, options.calibration).is_file():
         return  # calibrated before: whatever is still needed is sampled where it is read
-    wanted = [options.calibration] + ([held_out_calibration(options)] if held_out else [])
     requests = [r for r in map(self_text_request, wanted) if r is not None]
     if requests:
         try:
@@ -118,15 +119,12 @@ def _plan_inputs(model: nn.Module, blocks: list[AttentionBlock], options: PlanOp
 
 
 def _plan_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-                    inputs: list[LayerInput], note: str, plain: bool, measure: bool
+                    inputs: list[LayerInput], note: str, measure: bool
                     ) -> tuple[Plan, float | None]:
-    """The plan of one candidate (``options`` say its RoPE mode and latent bits; ``plain``:
-    plain KV quantization) and, where ``measure`` asks (or the split search measures anyway),
-    its held-out calibration loss."""
+    """The low-rank plan of one candidate (``options`` say its RoPE mode and latent bits)
+    and, where ``measure`` asks (or the split search measures anyway), its held-out
+    calibration loss."""
     calibrated = options.basis in CALIBRATED_BASES
-    if plain:
-        result = plain_quantized_plan(inputs, options)
-        return result, held_out_loss(model, blocks, result) if measure else None
     loss = None
     if calibrated and options.schedule == "calibrated" and options.key_fraction is None:
         key_fraction, loss = measured_split(model, blocks, inputs, options)
@@ -148,8 +146,7 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                     shards: int | None = None) -> PlanOptions:
     """The options :func:`plan` takes, checked without a model (a bad one raises a
     ``ValueError`` naming it and its valid range); ``rope="auto"`` is recorded as the first
-    mode :func:`rope_modes` tries, ``latent_bits`` "auto" (or ``None`` with
-    ``bits_per_value``) as 16; ``shards=None`` as 1 (:func:`plan` takes a tensor-parallel
+    mode :func:`rope_modes` tries, ``latent_bits`` "auto" (or ``None``) as 16; ``shards=None`` as 1 (:func:`plan` takes a tensor-parallel
     model's split). ``cache_fraction`` (default 0.6) and ``bits_per_value`` are two ways to
     say the budget: give one."""
     if rope not in ("auto", *ROPE_MODES):
@@ -176,12 +173,12 @@ def checked_options(cache_fraction: float = 0.6, *, schedule: str = "calibrated"
                        shards=1 if shards is None else shards)
 
 
-def bit_choices(latent_bits: int | str | None, bits_per_value: float | None) -> tuple[int, ...]:
-    """The latent bit widths to plan: all (``LATENT_BITS``) for ``"auto"``, and by default
-    where the budget is given in bits per value; else the one asked (default 16)."""
-    if latent_bits == "auto" or (latent_bits is None and bits_per_value is not None):
-        return LATENT_BITS
-    return (16 if latent_bits is None else latent_bits,)
+def bit_choices(latent_bits: int | str | None, searchable: bool) -> tuple[int, ...]:
+    """The latent bit widths to plan: the one asked, else (``"auto"``/``None``) all of
+    ``LATENT_BITS`` where the plan can measure them (``searchable``), else 16."""
+    if latent_bits not in (None, "auto"):
+        return (latent_bits,)
+    return LATENT_BITS if searchable else (16,)
 
 
 def group_choices(latent_group: int | None, widths: tuple[int, ...]) -> tuple[int, ...]:
@@ -265,12 +262,16 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     points, the RoPE angle log): ``cache_fraction`` of the uncompressed cache in the model's
     dtype (default 0.6), or ``bits_per_value`` per cached K/V value with every stored float
     at 16 bits (16: an uncompressed 16-bit cache), not both. ``latent_bits`` stores latents
-    as 8- or 4-bit codes (``latent_group`` tokens per scale, default 32); ``"auto"`` (the
-    default with ``bits_per_value``) measures every width (and, unless ``latent_group`` is
-    given, groups of 32 and 64) with the rank planner filling the budget, and plain KV
-    quantization beside them, and keeps the least held-out loss
+    as 8- or 4-bit codes (``latent_group`` tokens per scale, default 32), or 16 (the model's
+    dtype); ``"auto"`` (the default) measures plain 8- and 4-bit KV quantization first (keys
+    per channel, values per token: KIVI's layout), then every latent width with the rank
+    planner filling the budget (and, unless ``latent_group`` is given, groups of 32 and 64),
+    and keeps the least held-out loss; a plain candidate within ``NEGLIGIBLE_LOSS`` of the
+    uncompressed model's loss ends the search before any calibration
     (``lorc_fx.search.bits``; ``progress``: a progress bar). ``Plan.candidates`` lists what
-    was measured.
+    was measured. ``"auto"`` is 16 where the plan measures nothing (a budget of the whole
+    cache, which stays exact; ``basis`` ``weight`` or ``norm`` with a ``cache_fraction``;
+    ``shards`` > 1).
 
     ``shards`` > 1 makes every basis block-diagonal over that many equal groups of KV heads,
     the same rank in each (the whole-model plan a tensor-parallel model is cached by, each
@@ -286,8 +287,6 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
                   calibration=calibration, objective=objective, latent_bits=latent_bits,
                   latent_group=latent_group, bits_per_value=bits_per_value)
     checked_options(cache_fraction, basis=basis, shards=shards, **common)
-    widths = bit_choices(latent_bits, bits_per_value)
-    groups = group_choices(latent_group, widths)
     if blocks is None:
         blocks = analyze(model)
     _require_attention(model, blocks)
@@ -297,53 +296,75 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
                     "attention-aware basis has no per-shard form yet", shards)
         basis = "whitened"
     options = checked_options(cache_fraction, basis=basis, shards=shards, **common)
+    calibrates = basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None
+    if calibrates or bits_per_value is not None:
+        options = replace(options, calibration=usable_calibration(model, options.calibration))
+    widths = bit_choices(latent_bits, searchable=shards == 1 and not options.unchanged and (
+        calibrates or bits_per_value is not None) and can_read(model, options.calibration))
+    groups = group_choices(latent_group, widths)
     modes = ["commute"] if shards > 1 and rope == "auto" else rope_modes(rope, model, blocks,
                                                                           objective)
     measure = len(modes) > 1 or len(widths) > 1 or max_ppl_increase is not None
     first, start = None, time.perf_counter()
-    if basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None \
-            or len(widths) > 1:
-        options = replace(options, calibration=usable_calibration(model, options.calibration))
-        first = _announce_first_calibration(model, blocks, options, modes)
-        _sample_ahead(model, blocks, options, held_out=measure or (
-            schedule == "calibrated" and key_fraction is None))
+    if calibrates or len(widths) > 1:
+        plain_first = len(widths) > 1 and _plain_fits(model, blocks, options, widths, groups)
+        first = _announce_first_plan(model, blocks, options, modes, measure)
+        wanted = ([] if plain_first else [options.calibration]) + (
+            [held_out_calibration(options)]
+            if measure or (schedule == "calibrated" and key_fraction is None) else [])
+        _sample_ahead(model, blocks, options, wanted)
     if max_ppl_increase is None:
         best, _ = _best_plan(model, blocks, options, modes, measure, widths, groups, progress)
     else:
-        best = _plan_within(model, blocks, options, modes, max_ppl_increase)
+        best = _plan_within(model, blocks, options, modes, max_ppl_increase, widths, groups)
     if first is not None:
-        log.warning("lorc_fx: calibrated and planned in %.0f s; later plans of this model "
-                    "reuse what %s keeps", time.perf_counter() - start, first)
+        log.warning("lorc_fx: first plan made in %.0f s; later plans of this model reuse what %s "
+                    "keeps", time.perf_counter() - start, first)
     return replace(best, fingerprint=plan_file.plan_fingerprint(model),
                    model_name=plan_file.model_name(model))
 
 
-def _announce_first_calibration(model: nn.Module, blocks: list[AttentionBlock],
-                                options: PlanOptions, modes: list[str]) -> Path | None:
-    """Where a first calibration of ``model`` with these options keeps what it measures,
-    after one warning saying what it does; ``None`` where it was calibrated before."""
-    if cache_path(model, blocks, options.calibration).is_file():
+def _plain_fits(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                widths: tuple[int, ...], groups: tuple[int, ...]) -> bool:
+    """Whether plain quantization at the widest searched width below 16 fits the budget
+    (its candidates are measured first, and may end the search before any calibration)."""
+    bits = max(w for w in widths if w != 16)
+    plan = plain_quantized_plan(_layer_inputs(model, blocks, options.shards),
+                                replace(options, latent_bits=bits, latent_group=max(groups)))
+    return not over_budget(plan)
+
+
+def _announce_first_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                         modes: list[str], measure: bool) -> Path | None:
+    """Where a first plan of ``model`` with these calibration options keeps what it
+    measures, after one warning saying what it does; ``None`` where the model was sampled
+    (or calibrated) before."""
+    if cache_path(model, blocks, options.calibration).is_file() or (
+            sampled_before(model, held_out_calibration(options)) and measure):
         return None
     where = user_cache_dir() / "calibration"
-    steps = (["sampling calibration text from the model"] if SELF_TEXT in options.calibration.texts
-             else []) + ["measuring attention statistics on it",
-                         f"measuring the key/value split of {' and '.join(modes)} RoPE mode(s)"]
-    log.warning("lorc_fx: first plan of %s with these calibration options: %s (minutes on a "
-                "CPU; progress below), kept in %s for later plans. A saved plan skips it all: "
-                "report.save(path), then compress(model, plan=path)",
-                type(model).__name__, ", ".join(steps), where)
+    steps = (["sampling text from the model"] if SELF_TEXT in options.calibration.texts
+             else []) + (["measuring candidate plans on held-out windows of it"] if measure
+                         else []) + [
+        "for low-rank candidates, attention statistics and the key/value split of "
+        f"{' and '.join(modes)} RoPE mode(s)"]
+    log.warning("lorc_fx: first plan of %s: %s (minutes on a CPU; progress below), kept in %s "
+                "for later plans. A saved plan skips it all: report.save(path), then "
+                "compress(model, plan=path)", type(model).__name__, ", ".join(steps), where)
     return where
 
 
 def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
                modes: list[str], measure: bool, widths: tuple[int, ...] | None = None,
-               groups: tuple[int, ...] | None = None, progress: bool = False
-               ) -> tuple[Plan, float | None]:
+               groups: tuple[int, ...] | None = None, progress: bool = False,
+               full_loss: float | None = None) -> tuple[Plan, float | None]:
     """The plan of the candidate with the least held-out calibration loss (measured where
     ``measure`` asks, else the first candidate that plans), and that loss. Candidates: every
     RoPE mode in ``modes`` at every latent bit width in ``widths`` and group size in
-    ``groups`` (default: the options'), and plain KV quantization where the width is
-    searched (``lorc_fx.search.bits``)."""
+    ``groups`` (default: the options'), and, where the width is searched, plain KV
+    quantization, measured first: a candidate within ``NEGLIGIBLE_LOSS`` of the uncompressed
+    model's held-out loss (``full_loss``, measured here if not given) ends the search
+    (``lorc_fx.search.bits``), before any calibration a low-rank candidate needs."""
     widths = widths or (options.latent_bits,)
     groups = groups or (options.latent_group,)
     listed = candidates(modes, widths, groups, plain=len(widths) > 1)
@@ -351,6 +372,11 @@ def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
     splits: dict[tuple[str, int], float] = {}  # measured once per mode and width
 
     def build(candidate: Candidate) -> tuple[Plan, float | None]:
+        asked = replace(options, latent_bits=candidate.latent_bits,
+                        latent_group=candidate.latent_group)
+        if candidate.plain:  # no basis to calibrate: the keys and values themselves
+            plain = plain_quantized_plan(_layer_inputs(model, blocks, options.shards), asked)
+            return plain, held_out_loss(model, blocks, plain) if measure else None
         if candidate.rope not in prepared:
             prepared[candidate.rope] = _plan_inputs(model, blocks,
                                                     replace(options, rope=candidate.rope))
@@ -361,17 +387,22 @@ def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
                         latent_group=candidate.latent_group,
                         key_fraction=splits.get((candidate.rope, candidate.latent_bits),
                                                 resolved.key_fraction))
-        result, loss = _plan_candidate(model, blocks, asked, inputs, note, candidate.plain,
-                                       measured)
-        if not candidate.plain and len(groups) > 1:
+        result, loss = _plan_candidate(model, blocks, asked, inputs, note, measured)
+        if len(groups) > 1:
             splits.setdefault((candidate.rope, candidate.latent_bits), result.options.key_fraction)
         return result, loss
 
-    return best_candidate(build, listed, progress)
+    enough = None
+    if measure and any(c.plain for c in listed):
+        if full_loss is None:
+            full_loss = calibration_loss(model, blocks, None, held_out_windows(model, options))
+        enough = full_loss + NEGLIGIBLE_LOSS
+    return best_candidate(build, listed, progress, enough)
 
 
 def _plan_within(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-                 modes: list[str], max_ppl_increase: float) -> Plan:
+                 modes: list[str], max_ppl_increase: float, widths: tuple[int, ...],
+                 groups: tuple[int, ...]) -> Plan:
     """The plan at the smallest fraction meeting ``max_ppl_increase``, with its search."""
     from tqdm.auto import tqdm
 
@@ -381,7 +412,8 @@ def _plan_within(model: nn.Module, blocks: list[AttentionBlock], options: PlanOp
     def loss_at(fraction: float) -> float:
         try:
             plans[fraction], loss = _best_plan(
-                model, blocks, replace(options, cache_fraction=fraction), modes, True)
+                model, blocks, replace(options, cache_fraction=fraction), modes, True, widths,
+                groups, full_loss=full_loss)
         except UnreachableFraction:
             return math.inf
         return held_out_loss(model, blocks, plans[fraction]) if loss is None else loss

@@ -28,8 +28,7 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
         budget.add_argument("--bits-per-value", type=float, default=None,
                             help="instead of --cache-fraction: the budget in bits per cached "
                                  "K/V value, in [0.5, 16], every stored float counted at 16 "
-                                 "bits (16: an uncompressed 16-bit cache); latent bit widths "
-                                 "are then chosen by measurement unless --latent-bits says one")
+                                 "bits (16: an uncompressed 16-bit cache)")
         budget.add_argument("--max-ppl-increase", type=float, default=None,
                             help="instead of --cache-fraction: the smallest fraction (steps of "
                                  "0.05) whose perplexity on held-out calibration text is at "
@@ -60,14 +59,16 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
     p.add_argument("--key-fraction", type=float, default=None,
                    help="calibrated schedule: keys' kept ratio in [0, 1]; None: measured")
     p.add_argument("--latent-bits", type=_latent_bits, default=None,
-                   help="store latents as 8- or 4-bit codes (per channel over groups of "
-                        "--latent-group tokens; eager dynamic cache only); 16: not quantized "
-                        "(the default with --cache-fraction); auto: measure 16, 8 and 4 and "
-                        "plain KV quantization at the budget (the default with "
-                        "--bits-per-value)")
+                   help="auto (default): measure plain 8- and 4-bit KV quantization, then "
+                        "16-, 8- and 4-bit latents at the rank that fills the budget, and keep "
+                        "the least held-out loss (a plain candidate within 0.002 nats of the "
+                        "full cache ends the search); 16, 8 or 4: latents stored that way "
+                        "(per channel over groups of --latent-group tokens). With --basis "
+                        "weight or norm (no calibration) auto is 16 unless the budget is "
+                        "--bits-per-value")
     p.add_argument("--latent-group", type=int, default=None,
-                   help="tokens per quantization group of a latent channel; None: 32, and "
-                        "with --latent-bits auto both 32 and 64 are measured")
+                   help="tokens per quantization group of a latent channel; default: 32, "
+                        "and with --latent-bits auto both 32 and 64 are measured")
     p.add_argument("--shards", type=int, default=None,
                    help="bases block-diagonal over this many equal groups of KV heads, the "
                         "same rank in each (what a tensor-parallel model is cached by); "

@@ -24,12 +24,14 @@ def plan_table(plan: Plan) -> str:
     lo, hi = plan.reachable
     asked = (f"requested {o.bits_per_value:g} bits per value" if o.bits_per_value is not None
              else f"requested {o.cache_fraction:.4f}")
-    reach = ("plain KV quantization" if plan.kind == "plain"
-             else f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]")
+    how = ("plain KV quantization, no basis" if plan.kind == "plain"
+           else f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, "
+                f"rope={o.rope}")
     lines.append(
         f"cache fraction: {plan.cache_fraction:.4f}, {plan.bits_per_value:.3f} bits per value "
-        f"({asked}; {reach}; basis={o.basis}, rope={o.rope})")
-    lines.append(f"basis: {basis_description(plan)}")
+        f"({asked}; {how})")
+    if plan.kind != "plain":
+        lines.append(f"basis: {basis_description(plan)}")
     if plan.fraction_search:
         lines.append(f"fraction: {fraction_description(plan.fraction_search)}")
     if o.shards > 1:
@@ -43,13 +45,15 @@ def plan_table(plan: Plan) -> str:
             "keys after RoPE instead")
     if plan.kind == "plain":
         lines.append(f"plain KV quantization: keys (after RoPE) and values stored as they are, "
-                     f"as {o.latent_bits}-bit codes per channel over groups of {o.latent_group} "
-                     "tokens (identity bases, full width)")
+                     f"as {o.latent_bits}-bit codes, keys per channel over groups of "
+                     f"{o.latent_group} tokens, values per token over groups of channels "
+                     "within each head (the last partial group of tokens in full precision)")
     elif o.latent_bits != 16:
         lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
                      f"{o.latent_group} tokens (the last partial group in full precision)")
     if plan.candidates:
-        lines.append("candidates measured (held-out calibration loss, best first):")
+        lines.append("candidates measured (held-out calibration loss, best first; a loss within "
+                     "0.002 of the uncompressed model's ends the search):")
         lines += [f"  {c['loss']:.4f}  {c['bits_per_value']:6.3f} bits/value  {c['candidate']}"
                   for c in plan.candidates]
     return "\n".join(lines)

@@ -54,9 +54,9 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         self.k_quant: QuantizedTensor | None = None
         self.v_quant: QuantizedTensor | None = None
 
-    def _settle(self, quant: QuantizedTensor | None, window: torch.Tensor, spec: QuantSpec | None,
-                whole: int):
-        """Quantize the first ``whole`` tokens of the window; the rest stays in it."""
+    def _settle(self, quant: QuantizedTensor | None, window: torch.Tensor, spec: QuantSpec | None):
+        """Quantize the whole groups of the window; the rest stays in it."""
+        whole = window.shape[-2] // self.group * self.group
         if spec is None or whole == 0 or window.shape[-1] == 0:
             return quant, window
         quant = cat_tokens(quant, quantize(window[..., :whole, :], spec))
@@ -95,9 +95,8 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         k, v = self.bases.compress(key_states, value_states)
         self.keys = torch.cat([self.keys, k], dim=-2) if self.keys.dim() == 4 else k
         self.values = torch.cat([self.values, v], dim=-2) if self.values.dim() == 4 else v
-        whole = self.keys.shape[-2] // self.group * self.group
-        self.k_quant, self.keys = self._settle(self.k_quant, self.keys, self.k_spec, whole)
-        self.v_quant, self.values = self._settle(self.v_quant, self.values, self.v_spec, whole)
+        self.k_quant, self.keys = self._settle(self.k_quant, self.keys, self.k_spec)
+        self.v_quant, self.values = self._settle(self.v_quant, self.values, self.v_spec)
         return self.bases.expand(*self.latents())
 
     def crop(self, tokens_to_remove: int) -> None:

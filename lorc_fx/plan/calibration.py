@@ -255,6 +255,27 @@ def self_cache_path(model: nn.Module, start: int, window: int, seed: int) -> Pat
     return user_cache_dir() / "calibration" / f"self-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
 
 
+def can_read(model: nn.Module, options: CalibrationOptions) -> bool:
+    """Whether the text ``options`` name can be had for ``model``: named texts are checked
+    by :func:`usable_calibration`; the model's own needs a BOS or EOS token to start from."""
+    return SELF_TEXT not in options.texts or \
+        start_token(model, calibration_tokenizer(model, options)) is not None
+
+
+def sampled_before(model: nn.Module, options: CalibrationOptions) -> bool:
+    """Whether every sequence ``options`` read from the model itself is on disk already
+    (true where they read none, or nothing can be sampled)."""
+    request = self_text_request(options)
+    if request is None:
+        return True
+    count, window, seed = request
+    start = start_token(model, calibration_tokenizer(model, options))
+    if start is None:
+        return True
+    path = self_cache_path(model, start, window, seed)
+    return path.is_file() and len(torch.load(path, weights_only=True)) >= count
+
+
 def self_generated_windows(model: nn.Module, tokenizer, count: int, window: int,
                            seed: int = 0) -> torch.Tensor:
     """``(count, window)`` token ids sampled from ``model`` itself (``lorc_fx.plan.sampling``),

@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 
 PLAN_FILE = "lorc_plan.safetensors"  # the file name used when a path names a directory
 FORMAT = "lorc_fx.plan"  # the metadata key, and the JSON's "format"
-VERSION = 2  # bump when what the file holds changes (2: bits_per_value, dtype_bits, kind)
+# bump when what the file holds changes (2: bits_per_value, dtype_bits, kind; 3: a plain plan
+# stores values per token, KIVI's layout, where version 2 stored them per channel)
+VERSION = 3
 _SAMPLES = 1024  # weight values hashed per tensor
 # config keys that loading or saving changes (``save_pretrained`` fills in ``architectures``
 # and ``dtype``); the parameters' names and shapes say which head the model has
@@ -204,6 +206,11 @@ def load_plan(path: str | os.PathLike) -> Plan:
             if data["version"] > VERSION:
                 raise PlanFileError(f"plan file {source} has format version {data['version']}; "
                                     f"this lorc_fx reads up to {VERSION}: update lorc_fx")
+            if data["version"] < 3 and data.get("kind") == "plain":
+                raise PlanFileError(f"plan file {source} is a plain quantization plan of format "
+                                    f"version {data['version']}, whose values were quantized "
+                                    "per channel; plan again (values are now quantized per "
+                                    "token)")
             layers = [_layer(f, l, source) for l in data["layers"]]
             plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]),
                         data["rotary_log"], basis_note=data.get("basis_note", ""),

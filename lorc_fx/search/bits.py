@@ -10,6 +10,13 @@ reuse it), and plain KV-cache quantization (every layer full width,
 identity bases, ``plan.planner.plain_quantized_plan``) is a candidate wherever it fits the
 budget. Each is scored by its loss on held-out calibration windows through the real latent
 cache; the least loss wins, and the plan records every candidate measured.
+
+Plain quantization is measured first, widest first: it needs no calibration of a basis, and
+where 8-bit codes fit the budget they cost nothing measurable (×1.0003 perplexity on the
+default model, bench/results/kv_quant_baseline-cpu.md). A candidate whose loss is within
+``NEGLIGIBLE_LOSS`` of the uncompressed model's ends the search: no other candidate can
+beat it by more than that, and the low-rank candidates after it each cost a calibration and
+a key/value split search (minutes).
 """
 from __future__ import annotations
 
@@ -19,6 +26,10 @@ from typing import Callable
 
 from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.schedules import UnreachableFraction
+
+# nats per token: a held-out loss this close to the uncompressed model's is ×1.002 perplexity
+# at most, below the spread between evaluation texts (bench/results/bits_pareto-cpu.md)
+NEGLIGIBLE_LOSS = 0.002
 
 
 def over_budget(plan: Plan) -> bool:
@@ -51,24 +62,27 @@ class Candidate:
 
 def candidates(modes: list[str], bit_choices: tuple[int, ...], groups: tuple[int, ...],
                plain: bool) -> list[Candidate]:
-    """Every RoPE mode at every bit width (below 16 bits with every group size, the first
-    group first), and (``plain``) plain quantization at each width below 16 and group."""
-    out = [Candidate(mode, bits, group) for mode in modes for bits in bit_choices
-           for group in (groups if bits != 16 else groups[:1])]
+    """(``plain``) plain quantization at each width below 16, widest first, and each group
+    (largest first: fewest bytes); then every RoPE mode at every bit width (below 16 bits
+    with every group size, the first group first)."""
+    out = []
     if plain:
-        out += [Candidate("commute", bits, group, True) for bits in bit_choices if bits != 16
-                for group in groups]
-    return out
+        out += [Candidate("commute", bits, group, True)
+                for bits in sorted((b for b in bit_choices if b != 16), reverse=True)
+                for group in sorted(groups, reverse=True)]
+    return out + [Candidate(mode, bits, group) for mode in modes for bits in bit_choices
+                  for group in (groups if bits != 16 else groups[:1])]
 
 
 def best_candidate(build: Callable[[Candidate], tuple[Plan, float | None]],
-                   listed: list[Candidate], progress: bool = True
-                   ) -> tuple[Plan, float | None]:
-    """The plan of the candidate with the least held-out loss, and that loss (``build`` plans one and
-    measures its loss, or returns ``None`` where nothing can be measured: then the first that
-    plans wins). Candidates out of reach of the budget (``UnreachableFraction``) or over it
-    (``over_budget``, where there is more than one candidate) are left out; where none plans, the first refusal is raised. The plan
-    returned records every candidate measured, best first, in ``Plan.candidates``."""
+                   listed: list[Candidate], progress: bool = True,
+                   enough: float | None = None) -> tuple[Plan, float | None]:
+    """The plan of the candidate with the least held-out loss, and that loss (``build`` plans
+    one and measures its loss, or returns ``None`` where nothing can be measured: then the
+    first that plans wins). Candidates out of reach of the budget (``UnreachableFraction``)
+    or over it (``over_budget``, where there is more than one candidate) are left out; where
+    none plans, the first refusal is raised. A loss at most ``enough`` ends the search. The
+    plan returned records every candidate measured, best first, in ``Plan.candidates``."""
     from tqdm.auto import tqdm
 
     planned: list[tuple[float, Candidate, Plan]] = []
@@ -89,6 +103,8 @@ def best_candidate(build: Callable[[Candidate], tuple[Plan, float | None]],
             bar.close()
             return plan, None
         planned.append((loss, candidate, plan))
+        if enough is not None and loss <= enough:
+            break
     bar.close()
     if not planned:
         raise refused[0]

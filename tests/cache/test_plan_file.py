@@ -164,7 +164,7 @@ def _rewrite_metadata(path, edit):
     ("garbage", "corrupt or not a plan file"),
     ("truncated", "corrupt or not a plan file"),
     ("no_metadata", "not a LoRC plan"),
-    ("newer", "format version 3"),
+    ("newer", f"format version {plan_file.VERSION + 1}"),
     ("tensor_gone", "lacks the tensor '0.k_basis'"),
     ("wrong_shape", r"tensor '1.v_basis' is torch.float64 \(3, 32\), the plan says"),
     ("field_gone", "corrupt or not a plan file"),
@@ -187,7 +187,7 @@ def test_a_missing_or_damaged_file_is_a_clear_error_naming_it(damage, message, s
         from safetensors.torch import save_file
         save_file({"x": torch.zeros(2)}, str(path))
     elif damage == "newer":
-        _rewrite_metadata(path, lambda d, t: d.update(version=3))
+        _rewrite_metadata(path, lambda d, t: d.update(version=plan_file.VERSION + 1))
     elif damage == "tensor_gone":
         _rewrite_metadata(path, lambda d, t: t.pop("0.k_basis"))
     elif damage == "wrong_shape":
@@ -230,7 +230,7 @@ def test_data_aware_plan_round_trips_with_its_oblique_key_basis(tiny_with_tokeni
     directory, text = tiny_with_tokenizer
     model = load_model(directory)
     report = lorc_fx.compress(model, 0.75, basis="attention", schedule="greedy",
-                              rope="reconstruct",
+                              rope="reconstruct", latent_bits=16,
                               calibration=CalibrationOptions(texts=(text,), tokens=512, window=64))
     assert not torch.equal(report.plan.layers[0].k_rebuild, report.plan.layers[0].k_basis)
     path = report.save(tmp_path / "plan.safetensors")

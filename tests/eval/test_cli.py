@@ -17,7 +17,7 @@ def model_dir(tmp_path_factory):
 def test_plan_json_and_plot(model_dir, tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     assert main(["plan", "--model", model_dir, "--cache-fraction", "0.75", "--json", str(out),
-                 "--plot", str(png), "--rank-multiple", "1"]) == 0
+                 "--plot", str(png), "--rank-multiple", "1", "--latent-bits", "16"]) == 0
     data = json.loads(out.read_text())
     assert abs(data["cache_fraction"] - 0.75) <= 0.02
     assert len(data["layers"]) == 3

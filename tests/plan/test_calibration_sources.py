@@ -74,7 +74,7 @@ def test_a_missing_text_becomes_self_and_auto_never_falls_back_to_weight(loaded)
     assert usable_calibration(model, options).texts == (text, "self")
     assert usable_calibration(model, CalibrationOptions((text,))).texts == (text,)
     # no tokenizer at all: the model's own samples still calibrate it
-    p = plan(bare_copy(model), 0.75, calibration=options, blocks=blocks)
+    p = plan(bare_copy(model), 0.75, calibration=options, blocks=blocks, latent_bits=16)
     assert p.options.basis == "attention" and p.options.calibration.texts == ("self",)
     assert "calibrated on 512 tokens (text sampled from the model itself" in plan_table(p)
 
@@ -104,7 +104,8 @@ def test_a_first_plan_samples_calibration_and_held_out_text_in_one_pass(loaded, 
         return real(model, start, length, seeds, step)
 
     monkeypatch.setattr(calibration, "sample_sequences", counting)
-    p = plan(model, 0.75, calibration=CalibrationOptions(tokens=256, window=32), blocks=blocks)
+    p = plan(model, 0.75, calibration=CalibrationOptions(tokens=256, window=32), blocks=blocks,
+             latent_bits=16)
     assert p.options.basis == "attention" and p.options.key_fraction is not None
     assert batches == [8 + 8]  # calibration and held-out windows (another seed), side by side
 
@@ -115,10 +116,10 @@ def test_a_first_plan_says_what_it_measures_where_it_keeps_it_and_how_long_it_to
     with caplog.at_level(logging.WARNING):
         plan(model, 0.75, blocks=blocks, rope="commute")
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    (first,) = [m for m in said if "first plan" in m]
+    (first,) = [m for m in said if "first plan of" in m]
     where = str(calibration.user_cache_dir() / "calibration")
-    assert "sampling calibration text" in first and where in first and "report.save" in first
-    (done,) = [m for m in said if "calibrated and planned in" in m]
+    assert "sampling text from the model" in first and where in first and "report.save" in first
+    (done,) = [m for m in said if "first plan made in" in m]
     assert where in done
     caplog.clear()
     with caplog.at_level(logging.WARNING):

@@ -38,7 +38,7 @@ def _prompt():
 def test_normed_keys_compress_with_the_attention_basis(normed, rope):
     path, text = normed
     model = _load(path)
-    report = compress(model, 0.6, basis="attention", schedule="uniform", rope=rope,
+    report = compress(model, 0.6, basis="attention", schedule="uniform", rope=rope, latent_bits=16,
                       calibration=CalibrationOptions(texts=(text,), tokens=1024, window=64))
     full_layers = [l for l in report.plan.layers if "kept full" not in l.note]  # not sliding
     assert len(full_layers) >= 2

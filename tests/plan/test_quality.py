@@ -67,10 +67,11 @@ def test_auto_basis_uses_attention_when_it_can_calibrate(loaded, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model, tok, blocks, text = loaded
-    assert plan(model, 0.75, calibration=calib(text), blocks=blocks).options.basis == "attention"
+    assert plan(model, 0.75, calibration=calib(text), blocks=blocks,
+                latent_bits=16).options.basis == "attention"
     bare = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), "_name_or_path": ""})).eval()
     # no tokenizer: calibrated on the model's own samples, never the weight-only basis
-    planned = plan(bare, 0.75, calibration=calib(text), blocks=blocks)
+    planned = plan(bare, 0.75, calibration=calib(text), blocks=blocks, latent_bits=16)
     assert planned.options.basis == "attention" and not planned.basis_note
     assert planned.options.calibration.texts == ("self",)
 
@@ -189,7 +190,8 @@ def test_pre_rope_attention_keys_are_oblique_and_exact_through_cache_and_graph(l
 
     model, tok, blocks, text = loaded
     ids = calibration.calibration_windows(tok, calib(text))[:2, :32]
-    options = dict(rope="reconstruct", basis="attention", calibration=calib(text), blocks=blocks)
+    options = dict(rope="reconstruct", basis="attention", calibration=calib(text), blocks=blocks,
+                   latent_bits=16)
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
         plan = compress(model, 1.0, **options).plan
@@ -210,15 +212,17 @@ def test_auto_rope_keeps_the_mode_with_the_lower_held_out_loss(loaded):
     from lorc_fx.search.split import held_out_loss
 
     model, tok, blocks, text = loaded
-    chosen = plan(model, 0.75, calibration=calib(text), blocks=blocks)
-    other = plan(model, 0.75, calibration=calib(text), blocks=blocks,
+    chosen = plan(model, 0.75, calibration=calib(text), blocks=blocks, latent_bits=16)
+    other = plan(model, 0.75, calibration=calib(text), blocks=blocks, latent_bits=16,
                  rope={"commute": "reconstruct", "reconstruct": "commute"}[chosen.options.rope])
     assert held_out_loss(model, blocks, chosen) <= held_out_loss(model, blocks, other)
 
 
-def test_default_plan_beats_the_paper_on_data_error(loaded):
-    """The default (attention basis, calibrated split) keeps the calibration loss closer to
-    the full model's than the paper's weight SVD with its progressive schedule."""
+@pytest.mark.parametrize("latent_bits", [None, 16])
+def test_default_plan_beats_the_paper_on_data_error(loaded, latent_bits):
+    """The default (measured bit widths; with 16-bit latents: the attention basis and the
+    calibrated split) keeps the calibration loss closer to the full model's than the paper's
+    weight SVD with its progressive schedule."""
     from lorc_fx.search.split import calibration_loss
 
     model, tok, blocks, text = loaded
@@ -226,8 +230,8 @@ def test_default_plan_beats_the_paper_on_data_error(loaded):
     full = calibration_loss(model, blocks, None, windows)
     # 0.75: with no layer below one rank step, the paper's schedule reaches 0.625 here
     paper = plan(model, 0.75, basis="weight", schedule="progressive", blocks=blocks)
-    ours = plan(model, 0.75, calibration=calib(text), blocks=blocks)
-    assert ours.options.key_fraction is not None
+    ours = plan(model, 0.75, calibration=calib(text), blocks=blocks, latent_bits=latent_bits)
+    assert ours.kind == "plain" or ours.options.key_fraction is not None
     assert (calibration_loss(model, blocks, ours, windows) - full
             < calibration_loss(model, blocks, paper, windows) - full)
 

@@ -89,6 +89,7 @@ def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model
     from lorc_fx.search.split import held_out_loss
 
     monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("lorc_fx.api.NEGLIGIBLE_LOSS", -math.inf)  # no early end: measure all
     blocks = analyze(model)
     report = compress(model, bits_per_value=9.5, basis="weight", schedule="uniform",
                       rope="commute", blocks=blocks, progress=False)
@@ -102,3 +103,22 @@ def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model
     assert math.isclose(held_out_loss(model, blocks, report.plan), measured[0]["loss"],
                         rel_tol=1e-9)
     assert "candidates measured" in str(report)
+
+
+def test_a_plain_candidate_within_noise_of_the_full_model_ends_the_search(model, tmp_path,
+                                                                          monkeypatch):
+    """Plain 8-bit quantization comes first; within ``NEGLIGIBLE_LOSS`` of the uncompressed
+    model's held-out loss it is kept and nothing after it is measured (no calibration)."""
+    from lorc_fx.analysis import analyze
+    from lorc_fx.search.split import calibration_loss, held_out_windows
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("lorc_fx.api.NEGLIGIBLE_LOSS", 1.0)  # a tiny random model's int8 error
+    monkeypatch.setattr("lorc_fx.api.resolve", lambda *a: pytest.fail("calibrated a basis"))
+    blocks = analyze(model)
+    report = compress(model, 0.5, blocks=blocks, progress=False)
+    (only,) = report.plan.candidates
+    assert only["candidate"] == "plain KV quantization, 8-bit, G64"
+    assert report.plan.kind == "plain" and report.plan.options.latent_bits == 8
+    full = calibration_loss(model, blocks, None, held_out_windows(model, report.plan.options))
+    assert only["loss"] <= full + 1.0
