@@ -13,13 +13,12 @@ from lorc_fx.plan.planner import Plan
 
 
 def plan_table(plan: Plan) -> str:
-    header = f"{'layer':>5} {'K rank':>9} {'V rank':>9} {'κ(W_k)':>10} {'κ(W_v)':>10} {'log κ̃':>8}  skipped"
-    lines = [header, "-" * len(header)]
-    for l in plan.layers:
-        lines.append(
-            f"{l.layer:>5} {l.k_rank:>4}/{l.k_full:<4} {l.v_rank:>4}/{l.v_full:<4} "
-            f"{l.kappa_k:>10.3g} {l.kappa_v:>10.3g} {l.log_kappa_cum:>8.2f}  "
-            f"{'yes' if l.skipped else 'no'}{'  ' + l.note if l.note else ''}")
+    if plan.kind == "plain":  # every layer full width: one line says it
+        kept = sum(l.skipped for l in plan.layers)
+        lines = [f"{len(plan.layers) - kept} layers at full width (no basis)"
+                 + (f"; {kept} kept as transformers builds them" if kept else "")]
+    else:
+        lines = _rank_table(plan)
     o = plan.options
     lo, hi = plan.reachable
     asked = (f"requested {o.bits_per_value:g} bits per value" if o.bits_per_value is not None
@@ -57,6 +56,17 @@ def plan_table(plan: Plan) -> str:
         lines += [f"  {c['loss']:.4f}  {c['bits_per_value']:6.3f} bits/value  {c['candidate']}"
                   for c in plan.candidates]
     return "\n".join(lines)
+
+
+def _rank_table(plan: Plan) -> list[str]:
+    header = f"{'layer':>5} {'K rank':>9} {'V rank':>9} {'κ(W_k)':>10} {'κ(W_v)':>10} {'log κ̃':>8}  skipped"
+    lines = [header, "-" * len(header)]
+    for l in plan.layers:
+        lines.append(
+            f"{l.layer:>5} {l.k_rank:>4}/{l.k_full:<4} {l.v_rank:>4}/{l.v_full:<4} "
+            f"{l.kappa_k:>10.3g} {l.kappa_v:>10.3g} {l.log_kappa_cum:>8.2f}  "
+            f"{'yes' if l.skipped else 'no'}{'  ' + l.note if l.note else ''}")
+    return lines
 
 
 def basis_description(plan: Plan) -> str:
