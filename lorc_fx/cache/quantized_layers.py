@@ -95,7 +95,9 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         k, v = self.bases.compress(key_states, value_states)
         self.keys = torch.cat([self.keys, k], dim=-2) if self.keys.dim() == 4 else k
         self.values = torch.cat([self.values, v], dim=-2) if self.values.dim() == 4 else v
-        whole = self.keys.shape[-2] // self.group * self.group
+        # whole groups of a quantized side's window (a side without a spec keeps every token)
+        window = self.keys if self.k_spec is not None else self.values
+        whole = window.shape[-2] // self.group * self.group
         self.k_quant, self.keys = self._settle(self.k_quant, self.keys, self.k_spec, whole)
         self.v_quant, self.values = self._settle(self.v_quant, self.values, self.v_spec, whole)
         return self.bases.expand(*self.latents())
