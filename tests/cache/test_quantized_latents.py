@@ -56,10 +56,7 @@ def test_options_are_checked(bad):
         PlanOptions(**bad)
 
 
-def test_static_cache_and_compiled_path_refuse_quantized_latents(model):
-    compress(model, 1.0, schedule="uniform", basis="weight", latent_bits=8)
-    with pytest.raises(ValueError, match="latent_bits=8"):
-        latent_cache(model, max_cache_len=16)
+def test_backend_refuses_to_plan_quantized_latents():
     with pytest.raises(ValueError, match="latent_bits=4"):
         LorcBackend(latent_bits=4)
 
