@@ -61,7 +61,8 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                    help="calibrated schedule: keys' kept ratio in [0, 1]; None: measured")
     p.add_argument("--latent-bits", type=_latent_bits, default=None,
                    help="store latents as 8- or 4-bit codes (per channel over groups of "
-                        "--latent-group tokens; eager dynamic cache only); 16: not quantized "
+                        "--latent-group tokens; a dynamic cache in eager mode, or a static "
+                        "one); 16: not quantized "
                         "(the default with --cache-fraction); auto: measure 16, 8 and 4 and "
                         "plain KV quantization at the budget (the default with "
                         "--bits-per-value)")
