@@ -14,6 +14,7 @@ from lorc_fx.plan.planner import Plan
 from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer
 from .quantize import QuantSpec
 from .quantized_layers import QuantizedLatentDynamicLayer
+from .quantized_static import QuantizedLatentStaticLayer
 from .rotary import RotaryLog
 
 SideSpecs = tuple[QuantSpec | None, QuantSpec | None]  # (keys, values); None: not quantized
@@ -74,15 +75,9 @@ class LatentCache(Cache):
                     quant: dict[int, SideSpecs] | None = None) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers;
         a layer with ``quant`` specs stores those sides quantized
-        (:class:`QuantizedLatentDynamicLayer`; dynamic caches only)."""
+        (:class:`QuantizedLatentDynamicLayer`, :class:`QuantizedLatentStaticLayer`)."""
         static = [l for l in cache.layers if type(l) is StaticLayer]
         quant = quant or {}
-        if any(i in bases and i in quant for i, l in enumerate(cache.layers)
-               if type(l) is StaticLayer):
-            bits = next(s.bits for specs in quant.values() for s in specs if s is not None)
-            raise ValueError(f"latent_bits={bits}: quantized latents are supported in a "
-                             "dynamic cache only; use the dynamic cache or latent_bits=16 for a "
-                             "static one")
         styles = {b.rope_style for b in bases.values() if b.rope_style}
         rotary = None
         if styles:
@@ -95,7 +90,9 @@ class LatentCache(Cache):
                     b = replace(b, rotary=rotary)
                     log_owner = i if log_owner is None else log_owner
                 owns = log_owner == i
-                if type(layer) is StaticLayer:
+                if type(layer) is StaticLayer and i in quant:
+                    layer = QuantizedLatentStaticLayer(layer.max_cache_len, b, *quant[i], owns)
+                elif type(layer) is StaticLayer:
                     layer = LatentStaticLayer(layer.max_cache_len, b, owns)
                 elif i in quant:
                     layer = QuantizedLatentDynamicLayer(b, *quant[i], owns)
@@ -106,9 +103,10 @@ class LatentCache(Cache):
 
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds: keys, values, RoPE angles; quantized latents' codes,
-        scales, zero points and residual windows."""
+        scales, zero points and full-precision windows (a static layer's whole allocation)."""
         tensors = [t for layer in self.layers
-                   for t in (layer.tensors() if isinstance(layer, QuantizedLatentDynamicLayer)
+                   for t in (layer.tensors() if isinstance(layer, (QuantizedLatentDynamicLayer,
+                                                                   QuantizedLatentStaticLayer))
                              else (getattr(layer, "keys", None), getattr(layer, "values", None)))]
         tensors += self.rotary.tensors() if self.rotary is not None else []
         return [t for t in tensors if isinstance(t, torch.Tensor)]

@@ -152,22 +152,34 @@ class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
         self.bases, self.logs_rotary = bases, logs_rotary
 
     def lazy_initialization(self, key_states, value_states):
-        """Allocate the buffers: ``(b, 1, max, r)`` for a latent side, ``(b, h_kv, max, d)``
-        for a side kept raw (the two sides can differ, so not StaticLayer's one head count)."""
+        """Allocate the buffers (``_allocate``) and give them fixed addresses, as
+        ``StaticLayer`` does (not while dynamo traces)."""
         self.bases = self.bases.to(key_states)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = self._buffer(key_states, self.bases.k_basis)
-        self.values = self._buffer(value_states, self.bases.v_basis)
+        self._allocate(key_states, value_states)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not is_torchdynamo_compiling():
-            for tensor in (self.keys, self.values, self.cumulative_length):
+            for tensor in (*self.tensors(), self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True
 
-    def _buffer(self, states: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    def _allocate(self, key_states, value_states) -> None:
+        """``(b, 1, max, r)`` for a latent side, ``(b, h_kv, max, d)`` for a side kept raw
+        (the two sides can differ, so not StaticLayer's one head count)."""
+        self.keys = self._buffer(key_states, self.bases.k_basis, self.max_cache_len)
+        self.values = self._buffer(value_states, self.bases.v_basis, self.max_cache_len)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer the layer holds (the RoPE angle log is the cache's)."""
+        return [self.keys, self.values]
+
+    @staticmethod
+    def _buffer(states: torch.Tensor, basis: torch.Tensor | None, tokens: int) -> torch.Tensor:
+        """Zeros for ``tokens`` tokens of one side: ``(b, 1, tokens, r)`` latents, or
+        ``(b, h_kv, tokens, d)`` for a side kept raw."""
         b, h, _, d = states.shape
         heads, width = (h, d) if basis is None else (1, basis.shape[0])
-        return states.new_zeros(b, heads, self.max_cache_len, width)
+        return states.new_zeros(b, heads, tokens, width)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:

@@ -56,10 +56,7 @@ def test_options_are_checked(bad):
         PlanOptions(**bad)
 
 
-def test_static_cache_and_compiled_path_refuse_quantized_latents(model):
-    compress(model, 1.0, schedule="uniform", basis="weight", latent_bits=8)
-    with pytest.raises(ValueError, match="latent_bits=8"):
-        latent_cache(model, max_cache_len=16)
+def test_backend_refuses_to_plan_quantized_latents():
     with pytest.raises(ValueError, match="latent_bits=4"):
         LorcBackend(latent_bits=4)
 
@@ -235,6 +232,24 @@ def test_layer_round_trip_within_half_a_step(bits, group, k_rank, v_rank, batch,
     cache.update(more, more, 0)
     assert cache.get_seq_length() == length + group
     assert layer.keys.shape[-2] < group or k_rank == 0
+
+
+def test_values_beside_unquantized_keys_settle_whole_groups():
+    """Keys kept raw (behind a norm) hold every token in their window; the values' groups
+    are still settled by the values' own window, whole groups only."""
+    spec = QuantSpec.per_channel(8, 2)
+    codec = LatentCodec(None, orthonormal_rows(5, 0), KV_HEADS)
+    cache = LatentCache.from_codecs(DynamicCache(config=CONFIG), {0: codec}, {0: (None, spec)})
+    layer = cache.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    exact = []
+    for _ in range(5):
+        states = torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=gen)
+        cache.update(states, states, 0)
+        exact.append(codec.compress(states, states)[1])
+        half_step_error(layer, layer.latents()[1], torch.cat(exact, dim=-2), layer.v_quant)
+    assert layer.v_quant.shape[-2] == 4 and layer.values.shape[-2] == 1
+    assert layer.keys.shape[-2] == 5
 
 
 # ---------------------------------------------------------------- mixed plans: bytes measured
