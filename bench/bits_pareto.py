@@ -5,9 +5,11 @@ value, on news, Austen and a held-out genre (poems) (issue #13, parts 2 and 3).
         [--texts news,austen,poems] [--tokens 4096] [--kivi 8:64,4:64,3:64,2:32,2:64]
 
 **LoRC**: ``lorc_fx.compress(model, bits_per_value=B)`` at default options: the planner
-measures every candidate (16/8/4-bit latents in groups of 32 or 64 tokens at the rank that
-fills the budget, for both RoPE modes, and plain 8/4-bit KV quantization where it fits) on held-out calibration windows of
-text sampled from the model and keeps the least loss. Each kept plan is scored through the
+measures plain 8/4-bit KV quantization where it fits (KIVI's layout) and then every
+low-rank candidate (16/8/4-bit latents in groups of 32 or 64 tokens at the rank that fills
+the budget, for both RoPE modes) on held-out calibration windows of text sampled from the
+model and keeps the least loss (a plain candidate within 0.002 nats of the uncompressed
+model's loss ends the search). Each kept plan is scored through the
 real latent cache (``score_windows``: a fresh cache per batch of 2 windows of 512 tokens,
 every window a whole number of groups, so every latent is read quantized, no full-precision
 window). Bits per value: the plan's, and measured from the cache's tensors (floats at 16
@@ -132,8 +134,11 @@ def main() -> None:
         "note": ("Bits per cached K/V value, everything counted (codes, 16-bit scales and zero "
                  "points, LoRC's RoPE angle log), every stored float at 16 bits: 16 = an "
                  "uncompressed 16-bit cache. LoRC rows: `compress(model, bits_per_value=B)` at "
-                 "default options (the planner picks rank and latent bits by held-out "
-                 "calibration loss, latents per channel over groups of 32 or 64 tokens). KIVI rows: "
+                 "default options (the planner measures plain 8/4-bit quantization in KIVI's "
+                 "layout first, then latents at 16/8/4 bits per channel over groups of 32 or 64 "
+                 "tokens at the rank filling the budget, and keeps the least held-out "
+                 "calibration loss; a plain candidate within 0.002 nats of the full model ends "
+                 "the search). KIVI rows: "
                  "keys per channel, values per token, groups of G, no full-precision window. "
                  "Both score each 512-token window in one forward, every token quantized."),
     }

@@ -1,7 +1,8 @@
 """Long-context decode: full cache under Inductor vs LoRC-compressed cache under lorc_backend.
 
     OMP_NUM_THREADS=1 python bench/long_context.py [--contexts 1024,2048,4096,8192]
-        [--batches 1,8] [--new-tokens 64] [--fraction 0.5] [--rope auto|commute|reconstruct[,..]]
+        [--batches 1,8] [--new-tokens 64] [--fraction 0.5]
+        [--rope auto|commute|reconstruct[:BITS][,..]]
         [--out bench/results/long_context-cpu]
 
 Public API only (``lorc_fx.load_model/load_tokenizer/load_text/compress/lorc_backend``,
@@ -204,9 +205,13 @@ def worker(args) -> dict:
     if args.variant == "full":
         model.compile()  # default Inductor, full cache
     else:
-        report = lorc_fx.compress(model, cache_fraction=args.fraction, rope=args.variant)
+        rope, _, bits = args.variant.partition(":")  # "auto", or "auto:16" (latent_bits=16)
+        report = lorc_fx.compress(model, cache_fraction=args.fraction, rope=rope,
+                                  latent_bits=int(bits) if bits else "auto")
         full_bpt, kept_bpt = report.cache_bytes_per_token()
-        record.update(fraction=args.fraction, rope=report.plan.options.rope,
+        plan = report.plan
+        record.update(fraction=args.fraction, rope=plan.options.rope, kind=plan.kind,
+                      latent_bits=plan.options.latent_bits,
                       plan_cache_fraction=report.plan.cache_fraction,
                       plan_bytes_per_token={"full": full_bpt, "compressed": kept_bpt})
         model.compile(backend=lorc_fx.lorc_backend)
@@ -314,8 +319,7 @@ def _ratios(results: list[dict], fraction: float) -> list[dict]:
             continue
         f = full[(r["context"], r["batch"])]
         rows.append({
-            "rope": (r["variant"] if r.get("rope") in (None, r["variant"])
-                     else f"{r['variant']} → {r['rope']}"),
+            "rope": _choice(r),
             "context": r["context"], "batch": r["batch"],
             "decode_tok_s_full": f["decode_tok_s_total"], "decode_tok_s_lorc": r["decode_tok_s_total"],
             "decode_speed_ratio": r["decode_tok_s_total"] / f["decode_tok_s_total"],
@@ -338,6 +342,15 @@ def _ratios(results: list[dict], fraction: float) -> list[dict]:
     return sorted(rows, key=lambda x: (x["rope"], x["batch"], x["context"]))
 
 
+def _choice(r: dict) -> str:
+    """The variant asked and, where it differs, what the planner chose."""
+    if r.get("kind") == "plain":
+        return f"{r['variant']} → plain int{r['latent_bits']}"
+    bits = r.get("latent_bits", 16)
+    chose = r.get("rope", r["variant"]) + ("" if bits == 16 else f", int{bits} latents")
+    return r["variant"] if chose == r["variant"].partition(":")[0] else f"{r['variant']} → {chose}"
+
+
 def _plot(results: list[dict], path: str) -> None:
     """Grouped bars: one group per (batch, prompt) configuration, one bar per variant."""
     import matplotlib
@@ -346,9 +359,10 @@ def _plot(results: list[dict], path: str) -> None:
 
     ok = [r for r in results if "error" not in r]
     configs = sorted({(r["batch"], r["context"]) for r in ok})
-    variants = [v for v in ("full", "commute", "reconstruct", "auto") if any(r["variant"] == v for r in ok)]
-    styles = {"full": ("gray", "full cache, Inductor"), "commute": ("tab:blue", "LoRC commute"),
-              "reconstruct": ("tab:orange", "LoRC reconstruct"), "auto": ("tab:green", "LoRC auto")}
+    variants = list(dict.fromkeys(r["variant"] for r in sorted(ok, key=lambda r: r["variant"] != "full")))
+    palette = iter(("tab:green", "tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink"))
+    styles = {v: ("gray", "full cache, Inductor") if v == "full" else (next(palette), f"LoRC {v}")
+              for v in variants}
     panels = [("decode tok/s (all sequences)", lambda r: r["decode_tok_s_total"]),
               ("attention share of a decode step", lambda r: r["profile"]["attention_share"]),
               ("cache MiB (measured from tensors)", lambda r: r["cache_bytes"] / 2**20),
@@ -453,7 +467,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--rope", default="auto",
-                        help="auto|commute|reconstruct, or a comma list (e.g. commute,reconstruct)")
+                        help="auto|commute|reconstruct, each with :BITS to fix latent_bits (default "
+                             "auto: the planner's choice), or a comma list (e.g. auto,auto:16)")
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache baseline")
     parser.add_argument("--warmup-steps", type=int, default=8,
                         help="decode steps discarded (decode-graph compile)")

@@ -376,6 +376,8 @@ def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
                         latent_group=candidate.latent_group)
         if candidate.plain:  # no basis to calibrate: the keys and values themselves
             plain = plain_quantized_plan(_layer_inputs(model, blocks, options.shards), asked)
+            if over_budget(plain):  # said before measuring what would be left out anyway
+                raise UnreachableFraction(f"{candidate.name} is over the budget", math.inf)
             return plain, held_out_loss(model, blocks, plain) if measure else None
         if candidate.rope not in prepared:
             prepared[candidate.rope] = _plan_inputs(model, blocks,
