@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer,
                                      StaticLayer, get_layer_types_and_kwargs)
 
-from lorc_fx.plan.options import STORED_FLOAT_BITS
+from lorc_fx.plan.options import SCALE_BITS, STORED_FLOAT_BITS
 from lorc_fx.plan.planner import Plan
 
 from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer
@@ -29,17 +29,24 @@ def codecs(plan: Plan) -> dict[int, LatentCodec]:
     return {l.layer: LatentCodec.of(l) for l in plan.layers if not l.skipped}
 
 
+def scale_dtype(plan: Plan) -> torch.dtype | None:
+    """What quantization scales and zero points are stored in: 16 bits (``SCALE_BITS``), the
+    model's own dtype where it has 16 bits (``None``), else float16."""
+    return None if plan.dtype_bits == SCALE_BITS else torch.float16
+
+
 def side_specs(plan: Plan) -> dict[int, SideSpecs]:
     """How each layer's sides are stored (``Plan.side_groups``): latents per channel over
-    groups of ``latent_group`` tokens, a plain plan's values per token; scales in the model's
-    dtype. Empty where nothing is quantized."""
+    groups of ``latent_group`` tokens, a plain plan's values per token; 16-bit scales
+    (:func:`scale_dtype`). Empty where nothing is quantized."""
     bits = plan.options.latent_bits
     if bits == 16:
         return {}
-    out = {}
+    out, scales = {}, scale_dtype(plan)
     for layer in plan.layers:
         (k_group, k_axis), (v_group, v_axis) = plan.side_groups(layer)
-        make = lambda group, axis: None if group is None else QuantSpec(bits, group, axis)
+        make = lambda group, axis: (None if group is None
+                                    else QuantSpec(bits, group, axis, scales))
         specs = (make(k_group, k_axis), make(v_group, v_axis))
         if specs != (None, None):
             out[layer.layer] = specs

@@ -74,43 +74,46 @@ def _(latent, basis, num_heads, cos, sin, style):
     return latent.new_empty(b, num_heads, n, basis.shape[1] // num_heads)
 
 
-def _quantized(payload, scale, zero, bits: int, group: int, axis: int, length: int
-               ) -> QuantizedTensor:
-    """The ``QuantizedTensor`` of a ``(b, h, length, d)`` cache side whose codes are
-    ``payload`` (``quantize.py``'s layout; ``axis`` -2 per channel, -1 per token)."""
+def _quantized(payload, scale, zero, bits: int, group: int, axis: int, length: int,
+               dtype: torch.dtype) -> QuantizedTensor:
+    """The ``QuantizedTensor`` of a ``(b, h, length, d)`` cache side of ``dtype`` whose codes
+    are ``payload`` (``quantize.py``'s layout; ``axis`` -2 per channel, -1 per token)."""
     b, h = payload.shape[:2]
     if axis == -2:  # (b, h, d, groups, bytes)
         d = payload.shape[2]
     else:  # (b, h, n, groups, bytes): channels padded to whole groups
         d = payload.shape[3] * group
-    return QuantizedTensor(payload, scale, zero, QuantSpec(bits, group, axis),
-                           (b, h, length, d), scale.dtype)
+    return QuantizedTensor(payload, scale, zero, QuantSpec(bits, group, axis, scale.dtype),
+                           (b, h, length, d), dtype)
 
 
 def dequantize_codes_math(payload, scale, zero, bits: int, group: int, axis: int, length: int,
-                          width: int) -> torch.Tensor:
-    out = dequantize_math(_quantized(payload, scale, zero, bits, group, axis, length))
+                          width: int, dtype: torch.dtype) -> torch.Tensor:
+    out = dequantize_math(_quantized(payload, scale, zero, bits, group, axis, length, dtype))
     return out[..., :width]
 
 
 @torch.library.custom_op("lorc::dequantize", mutates_args=())
 def dequantize_codes(payload: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                     group: int, axis: int, length: int, width: int) -> torch.Tensor:
-    """Packed codes of a quantized cache side → ``(b, h, length, width)`` in the scales' dtype
-    (``quantize.dequantize``): one node in a traced graph, so the backend finds attention
-    over quantized latents by data flow, as it does over ``lorc::reconstruct``."""
-    return dequantize_codes_math(payload, scale, zero, bits, group, axis, length, width).contiguous()
+                     group: int, axis: int, length: int, width: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes of a quantized cache side → ``(b, h, length, width)`` in ``dtype`` (the
+    side's; its scales may be narrower: ``quantize.dequantize``): one node in a traced graph,
+    so the backend finds attention over quantized latents by data flow, as it does over
+    ``lorc::reconstruct``."""
+    return dequantize_codes_math(payload, scale, zero, bits, group, axis, length, width,
+                                 dtype).contiguous()
 
 
 @dequantize_codes.register_fake
-def _(payload, scale, zero, bits, group, axis, length, width):
-    return scale.new_empty(payload.shape[0], payload.shape[1], length, width)
+def _(payload, scale, zero, bits, group, axis, length, width, dtype):
+    return scale.new_empty(payload.shape[0], payload.shape[1], length, width, dtype=dtype)
 
 
 def dequantized(q: QuantizedTensor) -> torch.Tensor:
     """``q`` dequantized through ``lorc::dequantize``."""
     return dequantize_codes(q.payload, q.scale, q.zero, q.spec.bits, q.spec.group,
-                            -2 if q.spec.axis % 4 == 2 else -1, q.shape[2], q.shape[3])
+                            -2 if q.spec.axis % 4 == 2 else -1, q.shape[2], q.shape[3], q.dtype)
 
 
 PROJECT = torch.ops.lorc.project.default

@@ -19,6 +19,10 @@ LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized
 LATENT_GROUPS = (32, 64)  # group sizes the bit-width search tries (the first: the default)
 MIN_BITS_PER_VALUE = 0.5  # below it no plan of 4-bit latents keeps a usable rank
 STORED_FLOAT_BITS = 16  # what a stored float counts in bits per value (dtype-independent)
+# quantization scales and zero points are stored in 16 bits whatever the model's dtype (its
+# own where it has 16 bits, else float16: ``cache.latent_cache.scale_dtype``), as a 16-bit
+# deployment and KIVI store them, so a float32 model measures what one would
+SCALE_BITS = 16
 # the calibration text sampled from the model itself (``calibration.self_generated_windows``)
 SELF_TEXT = "self"
 
@@ -115,15 +119,15 @@ class PlanOptions:
 
     def latent_bytes_per_value(self, dtype_bytes: int) -> float:
         """Bytes per cached latent value, everything counted, for a model whose dtype has
-        ``dtype_bytes`` bytes: the code, plus a scale and a zero point (model dtype) shared by
-        ``latent_group`` tokens of one channel; ``dtype_bytes`` unquantized."""
+        ``dtype_bytes`` bytes: the code, plus a 16-bit scale and zero point (``SCALE_BITS``)
+        shared by ``latent_group`` tokens of one channel; ``dtype_bytes`` unquantized."""
         return self.latent_bits_per_value(8 * dtype_bytes) / 8
 
     def latent_bits_per_value(self, float_bits: int) -> float:
-        """Bits per cached latent value where a stored float has ``float_bits`` bits."""
+        """Bits per cached latent value where an unquantized float has ``float_bits`` bits."""
         if self.latent_bits == 16:
             return float(float_bits)
-        return self.latent_bits + 2 * float_bits / self.latent_group
+        return self.latent_bits + 2 * SCALE_BITS / self.latent_group
 
     def budget(self, dtype_bits: int) -> tuple[float, int]:
         """(bits per full K/V value the cache may hold, bits a stored float counts): from

@@ -17,7 +17,7 @@ from lorc_fx.analysis.sharding import full_tensor, model_split
 
 from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
 from .metrics import relative
-from .options import STORED_FLOAT_BITS, PlanOptions
+from .options import SCALE_BITS, STORED_FLOAT_BITS, PlanOptions
 from .schedules import SCHEDULES, ScheduleInput, UnreachableFraction
 from .spectra import (Spectrum, block_diagonal, condition_number, real_spectrum,
                       rope_commuting_spectrum)
@@ -241,8 +241,8 @@ class Plan:
 
     def bits_per_token(self, float_bits: int) -> float:
         """Bits the cache holds per token per sequence where a stored float has
-        ``float_bits`` bits: codes with their scales and zero points (one of each per group,
-        ``side_groups``), unquantized latents, raw sides and the RoPE angle log. Exact for a
+        ``float_bits`` bits: codes with their 16-bit scales and zero points (one of each per
+        group, ``side_groups``), unquantized latents, raw sides and the RoPE angle log. Exact for a
         sequence of whole groups of ``latent_group`` tokens (the last, partial group sits in
         the full-precision window)."""
         _, kept = self.cache_elements_per_token()
@@ -250,7 +250,7 @@ class Plan:
         for l in self.layers:
             for (group, _), rank in zip(self.side_groups(l), (l.k_rank, l.v_rank)):
                 if group:
-                    bits += rank * (self.options.latent_bits + 2 * float_bits / group - float_bits)
+                    bits += rank * (self.options.latent_bits + 2 * SCALE_BITS / group - float_bits)
         return bits
 
     def cache_bytes_per_token(self, dtype_bytes: int) -> tuple[int, float]:

@@ -87,10 +87,9 @@ def assert_whole_groups_match(static_codes, dynamic_quant, n: int) -> None:
 def overhead_bytes(batch: int, specs, widths, dtype_bytes: int) -> int:
     """Bytes beyond the plan's per-token rate that a static quantized layer holds for
     ``max_cache_len`` a whole number of groups: per per-channel side of width ``w`` and batch
-    row, the window (``G·w`` floats) and the spare group slot (``w`` groups of codes, scale,
-    zero point)."""
-    return batch * sum(w * (spec.group * dtype_bytes + spec.group * spec.bits // 8
-                            + 2 * dtype_bytes)
+    row, the window (``G·w`` floats) and the spare group slot (``w`` groups of codes and a
+    16-bit scale and zero point)."""
+    return batch * sum(w * (spec.group * dtype_bytes + spec.group * spec.bits // 8 + 2 * 2)
                        for spec, w in zip(specs, widths) if spec is not None and spec.axis == -2)
 
 

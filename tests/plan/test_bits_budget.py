@@ -75,13 +75,14 @@ def test_bits_per_value_is_a_fraction_of_a_16_bit_cache(bits, group, budget):
 
 
 def test_cache_fraction_counts_bytes_of_the_models_dtype():
-    """A float32 model: fraction 0.25 at 8-bit latents (groups of 32: 10 bits per value with
-    32-bit scales) keeps 0.8 of the width, where 16-bit latents would keep 0.25."""
+    """A float32 model: fraction 0.25 (8 bits of 32) at 8-bit latents (groups of 32: 9 bits
+    per value, scales and zero points at 16 bits) keeps 8/9 of the width, where 16-bit
+    latents would keep 0.25."""
     layers = random_layers(2)
     plan = plan_layers(layers, PlanOptions(cache_fraction=0.25, latent_bits=8, latent_group=32,
                                            schedule="uniform", rank_multiple=1), dtype_bits=32)
     full, kept = plan.cache_elements_per_token()
-    assert kept / full == pytest.approx(0.8, abs=1 / 16)
+    assert kept / full == pytest.approx(8 / 9, abs=1 / 16)
     assert plan.cache_fraction == pytest.approx(0.25, abs=1 / 64)
     assert plan.bits_per_value == pytest.approx(kept / full * 9, rel=1e-12)  # 8 + 2·16/32
 
