@@ -10,9 +10,12 @@ scale and a zero point (its rounded-down minimum), and each element an unsigned 
   ranges;
 - **per token** (values): groups run along the channel axis, ``axis=-1``.
 
-Codes are packed little-endian into a ``uint8`` payload: 8 bits one per byte, 4 bits two per
-byte (``pack_int4``: the first value in the low nibble), 2 bits four per byte, 3 bits eight
-values in three bytes. ``bits=16`` means "not quantized": the tensor is kept as it is, in its
+Codes are packed into a ``uint8`` payload: 8 bits one per byte; 4 bits two per byte and 2
+bits four: the packed axis splits into ``8 // bits`` equal runs and byte ``j`` holds code
+``j`` of every run, the first run in the lowest bits (``pack_int4``: the first half in the low
+nibbles), so unpacking is a shift and a mask per run over contiguous bytes and gives the codes
+in order (what lets a compiler fuse it into whatever reads them); 3 bits eight values in
+three bytes, little-endian. ``bits=16`` means "not quantized": the tensor is kept as it is, in its
 own dtype (16 bits per value in a 16-bit model).
 
 Byte accounting counts everything: payload plus one scale and one zero point per group, both
@@ -138,19 +141,19 @@ class QuantizedTensor:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``bits``-bit codes (any integer dtype, values in ``[0, 2**bits)``) along
-    the last axis into uint8, little-endian: 8 codes fill ``bits`` bytes. The last axis must
-    hold a whole number of bytes of codes."""
+    the last axis into uint8 (the layout of the module docstring): 8 codes fill ``bits``
+    bytes. The last axis must hold a whole number of bytes of codes."""
     if bits == 8:
         return codes.to(torch.uint8)
     n = codes.shape[-1]
     if (n * bits) % 8:
         raise ValueError(f"{n} codes of {bits} bits are not a whole number of bytes")
-    if bits in (2, 4):  # per byte: 8/bits codes
+    if bits in (2, 4):  # 8/bits runs; byte j holds code j of each
         per = 8 // bits
-        c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // per, per)
-        out = c[..., 0]
+        runs = codes.to(torch.uint8).reshape(*codes.shape[:-1], per, n // per)
+        out = runs[..., 0, :]
         for i in range(1, per):
-            out = out | (c[..., i] << (bits * i))
+            out = out | (runs[..., i, :] << (bits * i))
         return out
     # general: 8 codes -> one integer of 8·bits bits -> bits bytes
     c = codes.to(torch.int64).reshape(*codes.shape[:-1], n // 8, 8)
@@ -170,10 +173,10 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     m = packed.shape[-1]
     mask = (1 << bits) - 1
-    if bits in (2, 4):  # shifts broadcast over a new last axis: no stack, so a compiler
-        per = 8 // bits  # can fuse the unpacking into whatever reads the codes
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-        return ((packed[..., None] >> shifts) & mask).reshape(*packed.shape[:-1], m * per)
+    if bits in (2, 4):  # one shift per run, broadcast over a new axis before the bytes
+        per = 8 // bits
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)[:, None]
+        return ((packed[..., None, :] >> shifts) & mask).reshape(*packed.shape[:-1], m * per)
     if m % bits:
         raise ValueError(f"{m} bytes are not a whole number of {bits}-byte words")
     b = packed.to(torch.int64).reshape(*packed.shape[:-1], m // bits, bits)
@@ -185,8 +188,8 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte along the last axis (even length): the first in the low
-    nibble."""
+    """Two 4-bit codes per byte along the last axis (even length): byte ``j`` holds code ``j``
+    in its low nibble and code ``j + n/2`` in its high nibble."""
     return pack_bits(codes, 4)
 
 

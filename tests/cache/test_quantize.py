@@ -56,10 +56,10 @@ def test_pack_unpack_bit_exact(bits, lead, words, seed):
     assert torch.equal(pack_bits(unpack_bits(raw, bits), bits), raw)
 
 
-def test_int4_layout_low_nibble_first():
+def test_int4_layout_first_half_in_low_nibbles():
     codes = torch.tensor([1, 2, 15, 0, 7, 9], dtype=torch.uint8)
     packed = pack_int4(codes)
-    assert packed.tolist() == [0x21, 0x0F, 0x97]
+    assert packed.tolist() == [0x01, 0x72, 0x9F]
     assert torch.equal(unpack_int4(packed), codes)
 
 
