@@ -23,7 +23,7 @@ from lorc_fx.kernels.ops import triton_available
 def head_blocks(basis: torch.Tensor, num_kv_heads: int, num_heads: int) -> torch.Tensor:
     """``(r, h_kv*d)`` basis → ``(h, r, d)``: the block each query head reads."""
     r = basis.shape[0]
-    blocks = basis.view(r, num_kv_heads, -1).transpose(0, 1)
+    blocks = basis.view(r, num_kv_heads, basis.shape[1] // num_kv_heads).transpose(0, 1)
     return blocks.repeat_interleave(num_heads // num_kv_heads, dim=0)
 
 
@@ -93,10 +93,11 @@ def rotary_scores(query, k_latent, cos, sin, k_basis, num_kv_heads: int, style: 
     b, h, t, d = query.shape
     n, groups = k_latent.shape[-2], h // num_kv_heads * t
     scale = d ** -0.5 if scale is None else scale
-    keys = (k_latent.squeeze(1) @ k_basis).view(b, n, num_kv_heads, 1, d)
-    turned = rotate_by(query.reshape(b, 1, num_kv_heads, groups, d), cos[:, :, None, None],
-                       sin[:, :, None, None], style, inverse=True)  # (b, n, h_kv, g·t, d)
-    return (keys * turned).sum(-1).permute(0, 2, 3, 1).reshape(b, h, t, n) * scale
+    keys = (k_latent.squeeze(1) @ k_basis).view(b, n, num_kv_heads, 1, d).permute(0, 2, 3, 1, 4)
+    turned = rotate_by(query.reshape(b, num_kv_heads, groups, 1, d), cos[:, None, None],
+                       sin[:, None, None], style, inverse=True)  # (b, h_kv, g·t, n, d)
+    # summed in the order of the scores' axes, so they come out laid out (b, h, t, n)
+    return (keys * turned).sum(-1).reshape(b, h, t, n) * scale
 
 
 def masked_softmax(scores, attn_mask=None):
