@@ -20,7 +20,6 @@ from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
 from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
 from lorc_fx.cache.quantize import QuantSpec
-from lorc_fx.compile.backend import LorcBackend
 from lorc_fx.plan.options import PlanOptions
 from helpers.families import VOCAB, build, config_for
 
@@ -56,12 +55,10 @@ def test_options_are_checked(bad):
         PlanOptions(**bad)
 
 
-def test_static_cache_and_compiled_path_refuse_quantized_latents(model):
+def test_static_cache_refuses_quantized_latents(model):
     compress(model, 1.0, schedule="uniform", basis="weight", latent_bits=8)
     with pytest.raises(ValueError, match="latent_bits=8"):
         latent_cache(model, max_cache_len=16)
-    with pytest.raises(ValueError, match="latent_bits=4"):
-        LorcBackend(latent_bits=4)
 
 
 # ---------------------------------------------------------------- the model's view
