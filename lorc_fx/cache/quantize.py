@@ -10,9 +10,12 @@ scale and a zero point (its rounded-down minimum), and each element an unsigned 
   ranges;
 - **per token** (values): groups run along the channel axis, ``axis=-1``.
 
-Codes are packed little-endian into a ``uint8`` payload: 8 bits one per byte, 4 bits two per
-byte (``pack_int4``: the first value in the low nibble), 2 bits four per byte, 3 bits eight
-values in three bytes. ``bits=16`` means "not quantized": the tensor is kept as it is, in its
+Codes are packed into a ``uint8`` payload: 8 bits one per byte; 4 bits two per byte and 2
+bits four: the packed axis splits into ``8 // bits`` equal runs and byte ``j`` holds code
+``j`` of every run, the first run in the lowest bits (``pack_int4``: the first half in the low
+nibbles), so unpacking is a shift and a mask per run over contiguous bytes and gives the codes
+in order (what lets a compiler fuse it into whatever reads them); 3 bits eight values in
+three bytes, little-endian. ``bits=16`` means "not quantized": the tensor is kept as it is, in its
 own dtype (16 bits per value in a 16-bit model).
 
 Byte accounting counts everything: payload plus one scale and one zero point per group, both
@@ -25,6 +28,10 @@ The scale and zero point are rounded to ``scale_dtype`` *before* the codes are c
 rounded down, scale rounded up), so every element lies inside the representable range and the
 round-trip error is at most ``scale/2`` per element (plus the rounding of the dequantized value
 to the output dtype).
+
+Traced by ``torch.compile`` (``torch.compiler.is_compiling()``) ``quantize`` skips its checks
+of finite input and of ranges that fit ``scale_dtype``: a data-dependent branch would break
+the graph. Non-finite values then give meaningless codes instead of an error.
 
 This module imports nothing from lorc_fx.
 """
@@ -111,7 +118,9 @@ class QuantSpec:
 class QuantizedTensor:
     """``payload``: uint8 packed codes ``(..., groups, group·bits/8)`` with the grouped axis
     moved last; ``scale``/``zero``: ``(..., groups)``. For an unquantized spec the payload is
-    the tensor itself and ``scale``/``zero`` are ``None``."""
+    the tensor itself and ``scale``/``zero`` are ``None``. The tensors may hold more slots than
+    ``shape`` covers along an axis (a padded last group; a cache's spare slots,
+    :func:`splice_tokens`): ``shape`` says what the codes stand for."""
     payload: torch.Tensor
     scale: torch.Tensor | None
     zero: torch.Tensor | None
@@ -132,19 +141,19 @@ class QuantizedTensor:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned ``bits``-bit codes (any integer dtype, values in ``[0, 2**bits)``) along
-    the last axis into uint8, little-endian: 8 codes fill ``bits`` bytes. The last axis must
-    hold a whole number of bytes of codes."""
+    the last axis into uint8 (the layout of the module docstring): 8 codes fill ``bits``
+    bytes. The last axis must hold a whole number of bytes of codes."""
     if bits == 8:
         return codes.to(torch.uint8)
     n = codes.shape[-1]
     if (n * bits) % 8:
         raise ValueError(f"{n} codes of {bits} bits are not a whole number of bytes")
-    if bits in (2, 4):  # per byte: 8/bits codes
+    if bits in (2, 4):  # 8/bits runs; byte j holds code j of each
         per = 8 // bits
-        c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // per, per)
-        out = c[..., 0]
+        runs = codes.to(torch.uint8).reshape(*codes.shape[:-1], per, n // per)
+        out = runs[..., 0, :]
         for i in range(1, per):
-            out = out | (c[..., i] << (bits * i))
+            out = out | (runs[..., i, :] << (bits * i))
         return out
     # general: 8 codes -> one integer of 8·bits bits -> bits bytes
     c = codes.to(torch.int64).reshape(*codes.shape[:-1], n // 8, 8)
@@ -164,10 +173,10 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed
     m = packed.shape[-1]
     mask = (1 << bits) - 1
-    if bits in (2, 4):
+    if bits in (2, 4):  # one shift per run, broadcast over a new axis before the bytes
         per = 8 // bits
-        parts = [(packed >> (bits * i)) & mask for i in range(per)]
-        return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], m * per)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)[:, None]
+        return ((packed[..., None, :] >> shifts) & mask).reshape(*packed.shape[:-1], m * per)
     if m % bits:
         raise ValueError(f"{m} bytes are not a whole number of {bits}-byte words")
     b = packed.to(torch.int64).reshape(*packed.shape[:-1], m // bits, bits)
@@ -179,8 +188,8 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes per byte along the last axis (even length): the first in the low
-    nibble."""
+    """Two 4-bit codes per byte along the last axis (even length): byte ``j`` holds code ``j``
+    in its low nibble and code ``j + n/2`` in its high nibble."""
     return pack_bits(codes, 4)
 
 
@@ -195,12 +204,11 @@ def _round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     r = x.to(dtype).float()
     if dtype == torch.float32:
         return r
-    bad = r < x if up else r > x
-    if bool(bad.any()):
-        target = torch.full_like(r, math.inf if up else -math.inf).to(dtype)
-        stepped = torch.nextafter(r.to(dtype), target).float()
-        r = torch.where(bad, stepped, r)
-    return r
+    # branch-free (a data-dependent ``if`` would break a traced graph): where nothing
+    # rounded the wrong way, ``where`` keeps ``r`` as it is
+    target = torch.full_like(r, math.inf if up else -math.inf).to(dtype)
+    stepped = torch.nextafter(r.to(dtype), target).float()
+    return torch.where(r < x if up else r > x, stepped, r)
 
 
 def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -220,17 +228,16 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
         raise TypeError("quantize takes a floating tensor")
     if not spec.quantized:
         return QuantizedTensor(x, None, None, spec, tuple(x.shape), x.dtype)
-    if x.shape[spec.axis] == 0:
-        raise ValueError("nothing to quantize along the grouped axis")
     scale_dtype = spec.scale_dtype or x.dtype
     g = _grouped(x, spec).float()
     levels = (1 << spec.bits) - 1
     lo, hi = g.amin(-1), g.amax(-1)
-    if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
+    checked = not torch.compiler.is_compiling()  # a traced graph has no data-dependent branch
+    if checked and not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         raise ValueError("quantize takes finite values")
     zero = _round_to(lo, scale_dtype, up=False)
     scale = _round_to((hi - zero) / levels, scale_dtype, up=True)
-    if not bool(torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+    if checked and not bool(torch.isfinite(zero).all() and torch.isfinite(scale).all()):
         raise OverflowError(f"the groups' ranges do not fit scale_dtype {scale_dtype}")
     # an exactly constant group: every element equals zero, any scale works
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -246,11 +253,9 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
         return q.payload
     codes = unpack_bits(q.payload, q.spec.bits).float()
     y = q.zero.float()[..., None] + codes * q.scale.float()[..., None]
-    y = y.reshape(*y.shape[:-2], -1)
-    axis = q.spec.axis % len(q.shape)
-    n = q.shape[axis]
-    y = y[..., :n].movedim(-1, axis)
-    return y.to(q.dtype)
+    y = y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1]).movedim(-1, q.spec.axis)
+    # the padding of the last group, and any spare slots (``splice_tokens``), cut off
+    return y[tuple(slice(0, n) for n in q.shape)].to(q.dtype)
 
 
 # ---------------------------------------------------------------- the token axis of a cache tensor
@@ -269,28 +274,37 @@ def token_count(q: QuantizedTensor | None) -> int:
     return 0 if q is None else q.shape[2]
 
 
-def cat_tokens(q: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
-    """``q`` followed by ``new`` along the token axis (per channel: both whole groups)."""
-    if q is None:
-        return new
-    dim, scale_dim, _ = _token_dims(q)
-    shape = (*new.shape[:2], q.shape[2] + new.shape[2], new.shape[3])
-    return QuantizedTensor(torch.cat([q.payload, new.payload], dim=dim),
-                           torch.cat([q.scale, new.scale], dim=scale_dim),
-                           torch.cat([q.zero, new.zero], dim=scale_dim), q.spec, shape, q.dtype)
-
-
-def first_tokens(q: QuantizedTensor, tokens: int) -> QuantizedTensor | None:
-    """The first ``tokens`` tokens of ``q`` (per channel: whole groups), copied so the rest is
-    freed; ``None`` for none."""
-    if tokens == 0:
-        return None
+def token_slots(q: QuantizedTensor, tokens: int, slots: int, copy: bool = False) -> QuantizedTensor:
+    """``q`` standing for its first ``tokens`` tokens, its tensors cut to ``slots`` token slots
+    (``tokens`` or more, per channel whole groups): a view, or a copy."""
     dim, scale_dim, per = _token_dims(q)
-    if tokens % per:
-        raise ValueError(f"{tokens} tokens are not whole groups of {per}")
-    cut = lambda t, d: t.narrow(d, 0, tokens // per).clone()
+    if tokens % per or slots % per:
+        raise ValueError(f"{tokens} tokens in {slots} slots are not whole groups of {per}")
+    cut = lambda t, d: t.narrow(d, 0, slots // per).clone() if copy else t.narrow(d, 0, slots // per)
     return QuantizedTensor(cut(q.payload, dim), cut(q.scale, scale_dim), cut(q.zero, scale_dim),
                            q.spec, (*q.shape[:2], tokens, q.shape[3]), q.dtype)
+
+
+def splice_tokens(q: QuantizedTensor, new: QuantizedTensor, tokens: int,
+                  slots: int) -> QuantizedTensor:
+    """``q``'s tokens followed by ``new``'s codes, standing for ``tokens`` tokens in ``slots``
+    token slots (a view of one new tensor; the slots past ``q``'s tokens and ``new``'s hold
+    whatever was there; ``slots`` at most ``q``'s slots plus ``new``'s). Every size is
+    arithmetic of the inputs' sizes and nothing depends on how many of ``new``'s tokens are
+    kept, so a traced caller needs no branch on it."""
+    dim, scale_dim, per = _token_dims(q)
+    at = q.shape[2] // per
+
+    def spliced(old: torch.Tensor, fresh: torch.Tensor, d: int) -> torch.Tensor:
+        d %= old.dim()
+        both = torch.cat([old, fresh], dim=d)  # long enough; `fresh` then goes after q's tokens
+        both = both.slice_scatter(fresh, dim=d, start=at, end=at + fresh.shape[d])
+        return both.narrow(d, 0, slots // per)
+
+    return QuantizedTensor(spliced(q.payload, new.payload, dim),
+                           spliced(q.scale, new.scale, scale_dim),
+                           spliced(q.zero, new.zero, scale_dim), q.spec,
+                           (*q.shape[:2], tokens, q.shape[3]), q.dtype)
 
 
 def map_batch(q: QuantizedTensor | None, fn) -> QuantizedTensor | None:

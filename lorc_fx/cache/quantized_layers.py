@@ -13,29 +13,44 @@ Each side has its own :class:`QuantSpec` (``None``: kept in the model's dtype):
 The tokens of a group of G not yet full stay in full precision in ``keys`` / ``values`` (the
 residual window, fewer than G tokens, G the per-channel group); whole groups are quantized as
 they fill, both sides together, so both always hold the same tokens.
+
+Traced by dynamo (``lorc_backend``), ``update`` has no branch on how many groups fill, and
+no tensor it computes with has a length that could be 0 or 1 once decoding runs (dynamo
+specialises on such lengths: a graph per case). So a quantized side keeps **spare slots**:
+``SPARE_GROUPS`` groups of code slots past its quantized tokens, and ``SPARE_ROWS`` rows past
+the tokens of its window. A step writes the incoming tokens over the window's spare rows,
+quantizes the window's first group (padded to a whole group) over the spare group slots
+(``quantize.splice_tokens``), and keeps that group, and drops it from the window, only when
+the window filled. What attention reads is ``cat([lorc::dequantize(codes), window])`` cut to
+the tokens. docs/design.md ("Quantized latents") counts the graphs this leaves.
 """
 from __future__ import annotations
 
 import torch
-from transformers.utils import is_torchdynamo_compiling
 
 from .latent_ops import dequantized
 from .layers import LatentCodec, LatentDynamicLayer
-from .quantize import (QuantizedTensor, QuantSpec, cat_tokens, first_tokens, map_batch,
-                       quantize, token_count)
+from .quantize import (QuantizedTensor, QuantSpec, map_batch, quantize, splice_tokens,
+                       token_count, token_slots)
+
+
+SPARE_GROUPS = 2  # groups of code slots a quantized side keeps past its tokens
+SPARE_ROWS = 2  # rows its window keeps past its tokens
 
 
 class QuantizedLatentDynamicLayer(LatentDynamicLayer):
     """A growing cache whose sides are stored as ``spec.bits``-bit codes where their spec
     (``k_spec`` / ``v_spec``) says, beside a full-precision residual window.
 
-    ``k_quant`` / ``v_quant`` hold the quantized tokens (``None`` before the first group);
-    ``keys`` / ``values`` the window. A side without a spec, or zero-wide, lives whole in its
-    window. ``update`` returns what attention reads, rebuilt from the dequantized sides.
+    ``k_store`` / ``v_store`` hold the quantized tokens and ``SPARE_GROUPS`` spare groups of
+    slots after them (``None`` before the first update); ``k_quant`` / ``v_quant`` are the
+    quantized tokens alone (``None`` while there are none). ``keys`` / ``values`` hold the
+    window: its tokens, then ``SPARE_ROWS`` spare rows (``window_tokens()``: the tokens alone).
+    A side without a spec, or zero-wide, lives whole in ``keys`` / ``values``, without spare
+    rows. ``update`` returns what attention reads, rebuilt from the dequantized sides.
     ``crop`` keeps the whole groups before the cut as they are and moves the tokens of the
     cut group back into the window, dequantized (kept groups are never rounded twice); beam
-    reordering and batch repeat/select index the packed codes along batch. The compiled path
-    (``lorc_backend``) does not support it yet.
+    reordering and batch repeat/select index the packed codes along batch.
     """
 
     def __init__(self, bases: LatentCodec, k_spec: QuantSpec | None, v_spec: QuantSpec | None,
@@ -51,52 +66,82 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         # tokens per settled group: the per-channel group (per-token codes need none)
         self.group = max([s.group for s in (k_spec, v_spec) if s is not None and s.axis == -2],
                          default=1)
-        self.k_quant: QuantizedTensor | None = None
-        self.v_quant: QuantizedTensor | None = None
+        self.k_store: QuantizedTensor | None = None
+        self.v_store: QuantizedTensor | None = None
 
-    def _settle(self, quant: QuantizedTensor | None, window: torch.Tensor, spec: QuantSpec | None):
-        """Quantize the whole groups of the window; the rest stays in it."""
-        whole = window.shape[-2] // self.group * self.group
-        if spec is None or whole == 0 or window.shape[-1] == 0:
-            return quant, window
-        quant = cat_tokens(quant, quantize(window[..., :whole, :], spec))
-        return quant, window[..., whole:, :].clone()
+    @property
+    def k_quant(self) -> QuantizedTensor | None:
+        return _stored_tokens(self.k_store)
+
+    @property
+    def v_quant(self) -> QuantizedTensor | None:
+        return _stored_tokens(self.v_store)
+
+    def window_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens of the keys' and values' windows, without spare rows."""
+        return _window_tokens(self.k_store, self.keys), _window_tokens(self.v_store, self.values)
+
+    def _append(self, store: QuantizedTensor | None, window: torch.Tensor, new: torch.Tensor,
+                spec: QuantSpec | None):
+        """``new`` tokens after the side's, then the whole groups its window starts with
+        quantized (the window held fewer than G tokens before). Returns (store, window)."""
+        if spec is None or new.shape[-1] == 0:  # kept in the model's dtype: no spare anything
+            return store, torch.cat([window, new], dim=-2) if window.dim() == 4 else new
+        if store is None:  # the first tokens: spare slots only
+            spare = new.new_zeros(*new.shape[:-2], SPARE_GROUPS * self.group, new.shape[-1])
+            store = token_slots(quantize(spare, spec), 0, SPARE_GROUPS * self.group)
+            window = _with_spare_rows(new[..., :0, :])
+        held, incoming = window.shape[-2] - SPARE_ROWS, new.shape[-2]
+        tokens = held + incoming
+        # the window's tokens, the new ones over its spare rows, spare rows and one row more:
+        # the rows kept are never the whole tensor, so they are a view of one density (not
+        # contiguous in some steps and in others, which dynamo would tell apart)
+        grown = torch.cat([window, new.new_zeros(*new.shape[:-2], incoming + 1, new.shape[-1])],
+                          dim=-2).slice_scatter(new, dim=2, start=held, end=tokens)
+        whole = tokens // self.group * self.group
+        if not torch.compiler.is_compiling() and whole == 0:  # eager: nothing filled
+            return store, grown.narrow(2, 0, tokens + SPARE_ROWS)
+        # quantize as many groups as can have filled and one more (a static shape; rows past
+        # the tokens are padding), keep `whole` tokens of them and the spare slots
+        quantized = (self.group - 1 + incoming) // self.group * self.group + self.group
+        rows = torch.cat([grown, grown.new_zeros(*new.shape[:-2], quantized, new.shape[-1])],
+                         dim=-2).narrow(2, 0, quantized)
+        stored = token_count(store) + whole
+        store = splice_tokens(store, quantize(rows, spec), stored,
+                              stored + SPARE_GROUPS * self.group)
+        # a copy (a few rows): a view would start at a varying offset, another thing dynamo
+        # tells apart
+        return store, grown.narrow(2, whole, tokens + SPARE_ROWS - whole).clone()
 
     def get_seq_length(self) -> int:
-        """Tokens cached: the keys' quantized tokens and residual window (a side kept raw
-        holds every token in its window)."""
+        """Tokens cached: the keys' quantized tokens and window tokens (a side kept raw holds
+        every token in its window)."""
         if not self.is_initialized or self.keys is None or self.keys.dim() < 2:
             return 0
-        return token_count(self.k_quant) + self.keys.shape[-2]
+        return _token_count(self.k_store, self.keys)
 
     def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached sides (latents, or keys and values of a plain plan), dequantized: what
         ``update`` rebuilds."""
-        def whole(quant, window):
-            return window if quant is None else torch.cat([dequantized(quant), window], dim=-2)
-        return whole(self.k_quant, self.keys), whole(self.v_quant, self.values)
+        return _side(self.k_store, self.keys), _side(self.v_store, self.values)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the layer holds: residual windows, packed codes, scales, zero points."""
-        out = [self.keys, self.values]
+        """Every tensor the layer holds, as far as it holds tokens: window tokens, packed
+        codes, scales, zero points (spare slots and rows are not counted)."""
+        out = list(self.window_tokens())
         for q in (self.k_quant, self.v_quant):
             if q is not None:
                 out += [q.payload, q.scale, q.zero]
         return [t for t in out if isinstance(t, torch.Tensor)]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if is_torchdynamo_compiling():
-            raise ValueError("latent_bits < 16 (quantized latents) is supported on the eager "
-                             "path only; the compiled path (lorc_backend) needs latent_bits=16")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.logs_rotary:
             self.bases.rotary.append(None)
         k, v = self.bases.compress(key_states, value_states)
-        self.keys = torch.cat([self.keys, k], dim=-2) if self.keys.dim() == 4 else k
-        self.values = torch.cat([self.values, v], dim=-2) if self.values.dim() == 4 else v
-        self.k_quant, self.keys = self._settle(self.k_quant, self.keys, self.k_spec)
-        self.v_quant, self.values = self._settle(self.v_quant, self.values, self.v_spec)
+        self.k_store, self.keys = self._append(self.k_store, self.keys, k, self.k_spec)
+        self.v_store, self.values = self._append(self.v_store, self.values, v, self.v_spec)
         return self.bases.expand(*self.latents())
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -109,20 +154,24 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         keep = max(length + tokens_to_remove, 0)
         kept_groups = keep // self.group * self.group
 
-        def cut(quant, window):
-            stored = token_count(quant)
+        def cut(store, window):
+            if store is None:
+                return store, window[..., :keep, :]
+            stored = token_count(store)
             if keep >= stored:
-                return quant, window[..., :keep - stored, :]
-            tail = quant.dequantize()[..., kept_groups:keep, :].clone()
-            return first_tokens(quant, kept_groups), tail
+                return store, _with_spare_rows(window[..., :keep - stored, :])
+            tail = store.dequantize()[..., kept_groups:keep, :]
+            store = token_slots(store, kept_groups, kept_groups + SPARE_GROUPS * self.group,
+                                copy=True)  # the slots of the groups after the kept ones
+            return store, _with_spare_rows(tail)
 
-        self.k_quant, self.keys = cut(self.k_quant, self.keys)
-        self.v_quant, self.values = cut(self.v_quant, self.values)
+        self.k_store, self.keys = cut(self.k_store, self.keys)
+        self.v_store, self.values = cut(self.v_store, self.values)
         if self._log() is not None:
             self._log().crop(tokens_to_remove)
 
     def _map_quantized(self, fn) -> None:
-        self.k_quant, self.v_quant = map_batch(self.k_quant, fn), map_batch(self.v_quant, fn)
+        self.k_store, self.v_store = map_batch(self.k_store, fn), map_batch(self.v_store, fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -138,10 +187,44 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.k_quant = self.v_quant = None
+        self.k_store = self.v_store = None
 
     def offload(self):
         raise NotImplementedError("offloading a quantized latent layer is not supported")
 
     def prefetch(self):
         raise NotImplementedError("offloading a quantized latent layer is not supported")
+
+
+def _with_spare_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """A window of ``tokens`` followed by ``SPARE_ROWS`` rows."""
+    spare = tokens.new_zeros(*tokens.shape[:-2], SPARE_ROWS, tokens.shape[-1])
+    return torch.cat([tokens, spare], dim=-2)
+
+
+def _window_tokens(store: QuantizedTensor | None, window: torch.Tensor) -> torch.Tensor:
+    """The tokens of a side's window: all of it for a side kept raw, else all but the spare
+    rows."""
+    return window if store is None else window.narrow(2, 0, window.shape[-2] - SPARE_ROWS)
+
+
+def _token_count(store: QuantizedTensor | None, window: torch.Tensor) -> int:
+    """A side's tokens, read off shapes (no view of the window's tokens: traced, a tensor of
+    0 or 1 rows would make dynamo specialise)."""
+    if store is None:
+        return window.shape[-2]
+    return token_count(store) + window.shape[-2] - SPARE_ROWS
+
+
+def _side(store: QuantizedTensor | None, window: torch.Tensor) -> torch.Tensor:
+    """A side's tokens, dequantized: ``cat([lorc::dequantize(codes), window])`` cut to the
+    tokens (the window's spare rows come last)."""
+    if store is None:
+        return window
+    return torch.cat([dequantized(store), window], dim=-2).narrow(2, 0, _token_count(store, window))
+
+
+def _stored_tokens(store: QuantizedTensor | None) -> QuantizedTensor | None:
+    """The tokens of a store without its spare slots; ``None`` when it holds none."""
+    tokens = token_count(store)
+    return None if tokens == 0 else token_slots(store, tokens, tokens)

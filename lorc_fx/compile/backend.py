@@ -2,9 +2,11 @@
 
 graph → ``LorcPassManager`` (compress cache-free attention, absorb the bases, lower what is
 left) → Inductor. On a model prepared by ``lorc_fx.compress`` the graph already reads latents
-from the cache; the rewrite absorbs the bases into query and output. On an uncompressed model
-the backend plans from the graph's own weights with its options and compresses every
-cache-free attention itself.
+from the cache; the rewrite absorbs the bases into query and output, and decode steps over
+quantized latents (``compress(..., latent_bits=8 or 4)``) read their codes. On an
+uncompressed model the backend plans from the graph's own weights with its options and
+compresses every cache-free attention itself (there is no cache to quantize there, so its
+options keep ``latent_bits=16``).
 """
 from __future__ import annotations
 
@@ -28,10 +30,6 @@ class LorcBackend:
     def __init__(self, inductor: bool = True, **plan_options):
         self.inductor = inductor
         self.plan_options = PlanOptions(**plan_options)
-        if self.plan_options.latent_bits != 16:
-            raise ValueError(f"latent_bits={self.plan_options.latent_bits}: lorc_backend (the "
-                             "compiled path) does not quantize latents yet; use latent_bits=16 "
-                             "or the eager path")
         self.passes = LorcPassManager(self.plan_options)
         self.reports: list[PassReport] = []
         self._said: set[str] = set()  # every message is logged once per backend

@@ -23,7 +23,7 @@ from lorc_fx.kernels.ops import triton_available
 def head_blocks(basis: torch.Tensor, num_kv_heads: int, num_heads: int) -> torch.Tensor:
     """``(r, h_kv*d)`` basis → ``(h, r, d)``: the block each query head reads."""
     r = basis.shape[0]
-    blocks = basis.view(r, num_kv_heads, -1).transpose(0, 1)
+    blocks = basis.view(r, num_kv_heads, basis.shape[1] // num_kv_heads).transpose(0, 1)
     return blocks.repeat_interleave(num_heads // num_kv_heads, dim=0)
 
 
@@ -67,26 +67,43 @@ def rotary_latent_attention(query, k_latent, cos, sin, v_latent, k_basis, v_basi
                             scale: float | None = None):
     """SDPA of a few query tokens ``(b, h, t, d)`` over a pre-RoPE key latent rotated by
     ``cos``/``sin`` ``(b, n, rotary_dim)`` and a value latent ``(b, 1, n, r_v)`` read absorbed;
-    returns ``(b, h, t, d)``.
+    returns ``(b, h, t, d)``. Scores as :func:`rotary_scores`; a query row whose every key is
+    masked gets zeros, as SDPA's math backend gives.
+    """
+    b, h, t, d = query.shape
+    n = k_latent.shape[-2]
+    scores = rotary_scores(query, k_latent, cos, sin, k_basis, num_kv_heads, style, scale)
+    probs = masked_softmax(scores, attn_mask)
+    out = (probs.view(b, 1, h * t, n) @ v_latent).view(b, h, t, -1)
+    return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
+
+
+def rotary_scores(query, k_latent, cos, sin, k_basis, num_kv_heads: int, style: str,
+                  scale: float | None = None):
+    """Scaled scores ``(b, h, t, n)`` of a few query tokens ``(b, h, t, d)`` against keys kept
+    as a pre-RoPE latent ``(b, 1, n, r)`` and rotated by ``cos``/``sin`` ``(b, n, rotary_dim)``.
 
     ``q·R_n k_n = (R_nᵀ q)·k_n``: each key is rebuilt before RoPE, once per kv head, and scored
     against the queries of its group turned back by its position's angle. Written as one
     product-and-sum over the head dim, Inductor fuses the turn into the score reduction, so
     neither rotated keys nor turned queries are stored (measured on CPU: 1.1–1.7× faster than
-    rotating the rebuilt keys and then multiplying). Scores are materialised
-    (``(b, h, t, n)``): for decode steps, not prefill. A query row whose every key is masked
-    gets zeros, as SDPA's math backend gives.
+    rotating the rebuilt keys and then multiplying). Scores are materialised: for decode
+    steps, not prefill.
     """
     b, h, t, d = query.shape
     n, groups = k_latent.shape[-2], h // num_kv_heads * t
     scale = d ** -0.5 if scale is None else scale
-    keys = (k_latent.squeeze(1) @ k_basis).view(b, n, num_kv_heads, 1, d)
-    turned = rotate_by(query.reshape(b, 1, num_kv_heads, groups, d), cos[:, :, None, None],
-                       sin[:, :, None, None], style, inverse=True)  # (b, n, h_kv, g·t, d)
-    scores = (keys * turned).sum(-1).permute(0, 2, 3, 1).reshape(b, h, t, n) * scale
+    keys = (k_latent.squeeze(1) @ k_basis).view(b, n, num_kv_heads, 1, d).permute(0, 2, 3, 1, 4)
+    turned = rotate_by(query.reshape(b, num_kv_heads, groups, 1, d), cos[:, None, None],
+                       sin[:, None, None], style, inverse=True)  # (b, h_kv, g·t, n, d)
+    # summed in the order of the scores' axes, so they come out laid out (b, h, t, n)
+    return (keys * turned).sum(-1).reshape(b, h, t, n) * scale
+
+
+def masked_softmax(scores, attn_mask=None):
+    """Softmax over the last axis after SDPA's mask (boolean: True attends; floating: added);
+    a row whose every key is masked gets zeros, as SDPA's math backend gives."""
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
-    probs = torch._safe_softmax(scores, dim=-1)
-    out = (probs.view(b, 1, h * t, n) @ v_latent).view(b, h, t, -1)
-    return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
+    return torch._safe_softmax(scores, dim=-1)

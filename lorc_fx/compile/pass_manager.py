@@ -5,9 +5,12 @@ Order and invariants (docs/design.md, "Compile invariants"):
 1. ``compress_attention`` runs only on a graph that reads no latent: a model prepared by
    ``lorc_fx.compress`` already traces ``lorc::project``/``lorc::reconstruct`` from its cache,
    and compressing its attention again would project twice. On other graphs it splices
-   ``reconstruct(project(·))`` into every cache-free attention, so the next pass finds them.
+   ``reconstruct(project(·))`` into every cache-free attention, so the next pass finds them
+   (with options of ``latent_bits`` < 16 it refuses: cache-free attention has no cache to
+   quantize).
 2. ``absorb_latent_attention`` runs before lowering: it recognises attention over latents by
-   the ``lorc::reconstruct`` nodes feeding SDPA, which lowering turns into plain matmuls.
+   the ``lorc::reconstruct`` nodes feeding SDPA, and over quantized sides by the
+   ``lorc::dequantize`` nodes, which lowering turns into plain maths.
 3. ``lower_latent_ops`` runs last: whatever latent op is left (the cache's own ``project``
    on the write path, a reconstruct whose SDPA could not be absorbed) becomes plain torch
    maths that Inductor fuses with its neighbours.
@@ -66,6 +69,12 @@ class LorcPassManager(CustomGraphModulePass):
         if reads_latents(gm):
             report.counts["compress_attention"] = 0
         else:
+            if self.options.latent_bits != 16:
+                raise ValueError(
+                    f"latent_bits={self.options.latent_bits}: lorc_backend compresses the "
+                    "attention of a graph that reads no latent cache from the graph's weights, "
+                    "and such attention caches nothing to quantize; quantize the cache with "
+                    "lorc_fx.compress(model, latent_bits=...) before compiling")
             report.compression = compress_attention.compress_attention(gm, example_inputs,
                                                                        self.options)
             report.counts["compress_attention"] = len(report.compression.compressed)

@@ -20,7 +20,6 @@ from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
 from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
 from lorc_fx.cache.quantize import QuantSpec
-from lorc_fx.compile.backend import LorcBackend
 from lorc_fx.plan.options import PlanOptions
 from helpers.families import VOCAB, build, config_for
 
@@ -54,11 +53,6 @@ def logits(model, ids, **options):
 def test_options_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         PlanOptions(**bad)
-
-
-def test_backend_refuses_to_plan_quantized_latents():
-    with pytest.raises(ValueError, match="latent_bits=4"):
-        LorcBackend(latent_bits=4)
 
 
 # ---------------------------------------------------------------- the model's view
@@ -226,12 +220,12 @@ def test_layer_round_trip_within_half_a_step(bits, group, k_rank, v_rank, batch,
         assert torch.equal(after_k, index(before_k)) and torch.equal(after_v, index(before_v))
         assert cache.get_seq_length() == length
         if layer.k_quant is not None:  # only whole groups stay quantized
-            assert layer.k_quant.shape[-2] % group == 0 and layer.keys.shape[-2] < group
+            assert layer.k_quant.shape[-2] % group == 0 and layer.window_tokens()[0].shape[-2] < group
     # and it keeps growing after them
     more = torch.randn(batch, KV_HEADS, group, HEAD_DIM, generator=gen)
     cache.update(more, more, 0)
     assert cache.get_seq_length() == length + group
-    assert layer.keys.shape[-2] < group or k_rank == 0
+    assert layer.window_tokens()[0].shape[-2] < group or k_rank == 0
 
 
 def test_values_beside_unquantized_keys_settle_whole_groups():
@@ -248,8 +242,8 @@ def test_values_beside_unquantized_keys_settle_whole_groups():
         cache.update(states, states, 0)
         exact.append(codec.compress(states, states)[1])
         half_step_error(layer, layer.latents()[1], torch.cat(exact, dim=-2), layer.v_quant)
-    assert layer.v_quant.shape[-2] == 4 and layer.values.shape[-2] == 1
-    assert layer.keys.shape[-2] == 5
+    keys, values = layer.window_tokens()
+    assert layer.v_quant.shape[-2] == 4 and values.shape[-2] == 1 and keys.shape[-2] == 5
 
 
 # ---------------------------------------------------------------- mixed plans: bytes measured

@@ -1,4 +1,5 @@
-"""Rewrite SDPA over reconstructed latents into attention over the latents themselves.
+"""Rewrite SDPA over reconstructed latents into attention over the latents themselves, and
+decode SDPA over quantized cache sides into attention that reads their codes.
 
 Patterns (as the latent cache traces)::
 
@@ -14,20 +15,39 @@ through ``P_v``). With pre-RoPE keys, in a graph of at most ``MAX_DECODE_QUERY``
 and scored against queries turned back by each key's angle, values absorbed. Both exact; neither builds a ``(b, h, n, d)`` repeat of the
 heads. Prefill over pre-RoPE keys keeps SDPA over the rebuilt keys and values (the fused
 attention, and scores never materialised), and the ops are lowered to maths.
+
+A quantized cache side reaches the graph as its codes dequantized, then its full-precision
+window: ``cat([lorc.dequantize(codes...), window], dim=-2)``, cut to the side's tokens by a
+``narrow`` where the window has spare rows (``QuantizedLatentDynamicLayer``), or the
+``lorc.dequantize`` node alone for a side with no window (a static cache's whole buffer). It is the latent of a
+reconstruct above, or, in a plain quantized plan, the keys or values themselves. In decode
+graphs (the same condition) an SDPA with a quantized side becomes the matching function of
+``compile.quantized_attention`` (``quantized_latent_attention``,
+``quantized_rotary_latent_attention``, ``quantized_kv_attention``), which reads the codes
+with the dequantization fused into its reductions; afterwards the graph holds no
+``lorc.dequantize`` feeding that attention. Prefill keeps the forms above over the side
+dequantized (the op lowered to its maths). Codes of a width or layout those functions do
+not read (3 bits; keys per token) are left to that fallback too.
 """
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
-from lorc_fx.cache.latent_ops import RECONSTRUCT, ROTATED_RECONSTRUCT
+from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXES,
+                                                 quantized_kv_attention, quantized_latent_attention,
+                                                 quantized_rotary_latent_attention)
+from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
 from .graph_utils import SDPA_TARGETS, erase_if_unused, fake, strip_repeat_kv
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 _RECONSTRUCT_ARGS = ("latent", "basis", "num_heads")
 _ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style")
-# query tokens up to which attention over pre-RoPE keys materialises its scores
+_DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width")
+# query tokens up to which attention over pre-RoPE keys or quantized sides materialises its
+# scores
 MAX_DECODE_QUERY = 32
 
 
@@ -46,9 +66,67 @@ def _is_decode(sdpa: dict) -> bool:
             and not sdpa.get("is_causal"))
 
 
+def _side(node: fx.Node, axes: tuple[int, ...]):
+    """``node`` as a side ``(codes, window, tokens)`` for ``compile.quantized_attention``:
+    ``cat([lorc.dequantize(...), window], dim=-2)``, maybe cut to its first ``tokens`` rows
+    (``narrow``), or a bare ``lorc.dequantize`` give the op's arguments (in its order) as
+    ``codes``; any other node is a side kept in the model's dtype, ``(None, node, None)``.
+    ``None`` for codes those functions do not read (a width not in ``FUSED_BITS``, a layout
+    not in ``axes``)."""
+    whole, tokens = node, None
+    if _is_narrow_of_first_tokens(node):
+        whole, tokens = node.args[0], node.args[3]
+    codes, window = whole, None
+    if whole.target is torch.cat:
+        parts = whole.args[0]
+        dim = whole.args[1] if len(whole.args) > 1 else whole.kwargs.get("dim", 0)
+        if len(parts) == 2 and dim in (-2, 2) and getattr(parts[0], "target", None) is DEQUANTIZE:
+            codes, window = parts
+    if codes.target is not DEQUANTIZE:
+        return None, node, None
+    bound = _bound(codes, _DEQUANTIZE_ARGS)
+    if bound["bits"] not in FUSED_BITS or bound["axis"] not in axes:
+        return None
+    return tuple(bound[name] for name in _DEQUANTIZE_ARGS), window, tokens
+
+
+def _is_narrow_of_first_tokens(node: fx.Node) -> bool:
+    """``x.narrow(2, 0, tokens)`` of a ``(b, h, n, width)`` side (dim 2 or -2)."""
+    is_narrow = (node.op == "call_method" and node.target == "narrow") or \
+        (node.op == "call_function" and node.target is torch.narrow)
+    return is_narrow and len(node.args) == 4 and node.args[1] in (2, -2) and node.args[2] == 0
+
+
+def _quantized_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
+    """The attention over quantized sides replacing a decode ``sdpa`` as ``(function, args,
+    kwargs)``, or None when neither side is quantized (or one is quantized in a way
+    ``compile.quantized_attention`` does not read)."""
+    mask = dict(attn_mask=sdpa.get("attn_mask"), scale=sdpa.get("scale"))
+    if k_src.target in (RECONSTRUCT, ROTATED_RECONSTRUCT) and v_src.target is RECONSTRUCT:
+        k = _bound(k_src, _ROTATED_ARGS if k_src.target is ROTATED_RECONSTRUCT else _RECONSTRUCT_ARGS)
+        v = _bound(v_src, _RECONSTRUCT_ARGS)
+        k_side, v_side = _side(k["latent"], KEY_AXES), _side(v["latent"], VALUE_AXES)
+        if k_side is None or v_side is None or (k_side[0] is None and v_side[0] is None):
+            return None
+        if k_src.target is RECONSTRUCT:
+            return quantized_latent_attention, (
+                sdpa["query"], k_side, v_side, k["basis"], v["basis"], k["num_heads"]), mask
+        return quantized_rotary_latent_attention, (
+            sdpa["query"], k_side, k["cos"], k["sin"], v_side, k["basis"], v["basis"],
+            k["num_heads"], k["style"]), mask
+    k_side, v_side = _side(k_src, KEY_AXES), _side(v_src, VALUE_AXES)
+    if k_side is None or v_side is None or (k_side[0] is None and v_side[0] is None):
+        return None
+    return quantized_kv_attention, (sdpa["query"], k_side, v_side), mask
+
+
 def _absorbed_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
     """The absorbed attention call replacing ``sdpa`` as ``(function, args, kwargs)``, or None
-    when its keys and values are not latents it can read."""
+    when its keys and values are not latents (or quantized sides) it can read."""
+    if _is_decode(sdpa):
+        call = _quantized_call(sdpa, k_src, v_src)
+        if call is not None:
+            return call
     if v_src.target is not RECONSTRUCT:
         return None
     v = _bound(v_src, _RECONSTRUCT_ARGS)

@@ -1,0 +1,231 @@
+"""Decode attention over quantized cache sides that reads the packed codes.
+
+A quantized cache layer hands attention each side (keys or values: latents, or a plain
+plan's raw ``(b, h_kv, n, d)`` tensors) as ``cat([lorc::dequantize(codes), window])``, maybe
+cut to its first ``tokens`` rows (a window with spare rows after its tokens). A *side* here is
+the triple ``(codes, window, tokens)``: ``codes`` the arguments of ``lorc::dequantize``,
+``(payload, scale, zero, bits, group, axis, length, width)``, or ``None`` for a side kept in
+the model's dtype; ``window`` the full-precision rows after the codes' ``length`` tokens
+``(b, h_kv, rows, width)`` or ``None``; ``tokens`` the side's token count, or ``None`` for
+all of ``length + rows``.
+
+Dequantizing first would write a full-precision copy of the cache every step and read it
+back. Here the score and output reductions are broadcast products and sums over the
+dequantization maths itself (unpack by shifts and masks, ``zero + code·scale``), so Inductor
+fuses the unpacking into the reductions and reads only the codes, scales and zero points.
+Scale and zero point are constant over a group, so both are factored out of the reduction
+over the codes: a score is ``Σ_c (q_c·scale_c)·code_c + Σ_c q_c·zero_c`` (per channel the
+products ``q·scale`` are per group, ``n / G`` times fewer than the codes).
+
+Attention runs over a side's *positions*: the codes' slots, then the window's rows
+(``_Positions``). Slots past ``length`` (a padded group, a cache's spare slots) and rows past
+``tokens`` (a window's spare rows) hold no token: they are masked out of the softmax and weigh
+nothing. The mask is gathered from tokens to positions; values laid out like the keys (one
+layer's two sides) take the probabilities as they are, others gather them by token. Packed
+codes unpack in order (``quantize.pack_bits``), so positions follow the tokens.
+
+Layouts (``quantize.py``): per channel (``axis`` -2) the payload is ``(b, h, width, groups,
+group·bits/8)`` along the tokens, scale/zero ``(b, h, width, groups)``; per token (-1) it is
+``(b, h, tokens, groups, group·bits/8)`` along the channels (padded to whole groups). Keys are
+read per channel (latents, and a plain plan's keys); values per channel (latents) or per
+token (a plain plan's values). Widths of 8, 4 and 2 bits.
+
+Scores are materialised ``(b, h, t, positions)``: for decode steps (a few query tokens), not
+prefill. A query row whose every key is masked gets zeros, as SDPA's math backend gives.
+Codes are read and reduced in float32 (the scales' dtype rounds nothing more); the output is
+in the query's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .latent_attention import head_blocks, rotary_scores
+
+FUSED_BITS = (8, 4, 2)  # code widths whose bytes unpack by shifts alone
+KEY_AXES, VALUE_AXES = (-2,), (-2, -1)  # keys per channel; values per channel or per token
+
+
+def quantized_latent_attention(query, k_side, v_side, k_basis, v_basis, num_kv_heads: int,
+                               attn_mask=None, scale: float | None = None):
+    """SDPA of a few query tokens ``(b, h, t, d)`` over post-RoPE latent sides (keys and
+    values ``(b, 1, n, r)``, quantized or not), absorbed as ``latent_attention``: the query
+    goes through the per-head blocks of ``k_basis``, attention runs once over the shared
+    latent, the output comes back through ``v_basis``. Returns ``(b, h, t, d)``."""
+    b, h, t, d = query.shape
+    scale = d ** -0.5 if scale is None else scale
+    keys, values = _Positions(*k_side), _Positions(*v_side)
+    q_latent = torch.einsum("bhtd,hrd->bhtr", query, head_blocks(k_basis, num_kv_heads, h))
+    scores = keys.scores(q_latent.reshape(b, 1, h * t, -1)).view(b, h, t, -1) * scale
+    probs = keys.softmax(scores, attn_mask).view(b, 1, h * t, -1)
+    out = values.sums(keys.weights_for(values, probs)).view(b, h, t, -1).to(query.dtype)
+    return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
+
+
+def quantized_rotary_latent_attention(query, k_side, cos, sin, v_side, k_basis, v_basis,
+                                      num_kv_heads: int, style: str, attn_mask=None,
+                                      scale: float | None = None):
+    """SDPA of a few query tokens ``(b, h, t, d)`` over a pre-RoPE key latent side rotated by
+    ``cos``/``sin`` ``(b, n, rotary_dim)`` and a value latent side, as
+    ``rotary_latent_attention``: keys rebuilt once per kv head and scored against queries
+    turned back by each position's angle (``rotary_scores``), values read absorbed from their
+    codes. The rebuild is a matrix product, whose operand is the key latent dequantized
+    (``r_k`` floats a token, a fraction of the rebuilt keys the mode materialises anyway).
+    Returns ``(b, h, t, d)``."""
+    b, h, t, _ = query.shape
+    keys, values = _Positions(*k_side), _Positions(*v_side)
+    scores = rotary_scores(query, keys.values(), keys.spread(cos, 1), keys.spread(sin, 1),
+                           k_basis, num_kv_heads, style, scale)
+    probs = keys.softmax(scores, attn_mask).view(b, 1, h * t, -1)
+    out = values.sums(keys.weights_for(values, probs)).view(b, h, t, -1).to(query.dtype)
+    return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
+
+
+def quantized_kv_attention(query, k_side, v_side, attn_mask=None, scale: float | None = None):
+    """SDPA of a few query tokens ``(b, h, t, d)`` over raw key and value sides ``(b, h_kv, n,
+    d)`` (a plain quantized plan: no basis), query head ``i`` reading kv head
+    ``i // (h / h_kv)``. Returns ``(b, h, t, d)``."""
+    b, h, t, d = query.shape
+    scale = d ** -0.5 if scale is None else scale
+    keys, values = _Positions(*k_side), _Positions(*v_side)
+    kv_heads = keys.heads
+    grouped = query.reshape(b, kv_heads, h // kv_heads * t, d)  # the query heads of each kv head
+    scores = keys.scores(grouped).view(b, h, t, -1) * scale
+    probs = keys.softmax(scores, attn_mask).view(b, kv_heads, h // kv_heads * t, -1)
+    return values.sums(keys.weights_for(values, probs)).view(b, h, t, -1).to(query.dtype)
+
+
+class _Positions:
+    """A side ``(codes, window, tokens)`` and the order of its positions: the codes' slots as
+    stored, then the window's rows."""
+
+    def __init__(self, codes, window, tokens):
+        self.codes, self.window = codes, window
+        self.length = 0 if codes is None else codes[6]
+        self.rows = 0 if window is None else window.shape[-2]
+        self.tokens = self.length + self.rows if tokens is None else tokens
+        anchor = window if codes is None else codes[0]
+        self.heads, self.device = anchor.shape[1], anchor.device
+        if codes is None:
+            self.slots = 0
+        else:  # per channel the payload's groups run along the tokens, per token its rows
+            self.slots = codes[0].shape[3] * codes[4] if codes[5] == -2 else codes[0].shape[2]
+
+    def held(self):
+        """Whether each position holds a token ``(positions,)``."""
+        slots = torch.arange(self.slots, device=self.device) < self.length
+        rows = torch.arange(self.rows, device=self.device) < self.tokens - self.length
+        return torch.cat([slots, rows])
+
+    def spread(self, x, dim: int):
+        """``x``, indexed by token along ``dim``, indexed by position (zeros where a position
+        holds no token). Slices and a concatenation: no gather for a fused loop to do, and no
+        piece as short as the window's tokens (which may be 0 or 1)."""
+        dim %= x.dim()
+        pad = [0, 0] * (x.dim() - 1 - dim) + [0, self.rows + self.length - self.tokens]
+        parts = [F.pad(x, pad).narrow(dim, self.length, self.rows)]
+        if self.codes is not None:
+            spare = list(x.shape)
+            spare[dim] = self.slots - self.length
+            parts[:0] = [x.narrow(dim, 0, self.length), x.new_zeros(spare)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+    def token_of_position(self):
+        """The token each position holds ``(positions,)`` (any token where it holds none)."""
+        return self.spread(torch.arange(self.tokens, device=self.device), 0)
+
+    def position_of_token(self):
+        """Where each token ``0 .. tokens - 1`` sits among the positions ``(tokens,)``."""
+        tokens = torch.arange(self.tokens, device=self.device)
+        return torch.where(tokens < self.length, tokens, tokens + (self.slots - self.length))
+
+    def scores(self, q):
+        """``q (b, hk, m, width)`` against every position: ``(b, hk, m, positions)``,
+        unscaled."""
+        parts = [] if self.codes is None else [_code_scores(q, *self.codes)]
+        if self.window is not None:
+            parts.append(q @ self.window.transpose(-1, -2).to(q.dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def values(self):
+        """The side dequantized in position order ``(b, hk, positions, width)``."""
+        parts = [] if self.codes is None else [_code_values(*self.codes)]
+        return torch.cat(parts + ([] if self.window is None else [self.window]), dim=-2)
+
+    def softmax(self, scores, attn_mask):
+        """Softmax of ``scores (b, h, t, positions)`` under ``attn_mask`` (SDPA's, over the
+        tokens: boolean, True attends, or added), positions holding no token masked out."""
+        if attn_mask is not None:
+            picked = self.spread(attn_mask, -1)
+            scores = (scores.masked_fill(~picked, float("-inf")) if picked.dtype == torch.bool
+                      else scores + picked)
+        return torch._safe_softmax(scores.masked_fill(~self.held(), float("-inf")), dim=-1)
+
+    def weights_for(self, other: "_Positions", probs):
+        """``probs (..., positions)`` over this side's positions as weights over ``other``'s:
+        as they are where both sides hold their tokens in the same positions (one layer's two
+        sides), else gathered by token (zero where ``other`` holds no token)."""
+        if (self.codes is None) == (other.codes is None) and self.slots == other.slots:
+            torch._check(self.length == other.length)
+            torch._check(self.rows == other.rows)
+            return probs
+        at = self.position_of_token().index_select(0, other.token_of_position())
+        return probs.index_select(-1, at).masked_fill(~other.held(), 0.0)
+
+    def sums(self, p):
+        """``Σ_position p·side`` for weights ``p (b, hk, m, positions)``:
+        ``(b, hk, m, width)``."""
+        if self.codes is None:
+            return p @ self.window.to(p.dtype)
+        out = _code_sums(p[..., :self.slots], *self.codes)
+        if self.window is not None:
+            out = out + p[..., self.slots:] @ self.window.to(p.dtype)
+        return out
+
+
+def _unpacked(payload, bits: int):
+    """Packed codes ``(..., bytes)`` as floats ``(..., 8 // bits, bytes)``, in order once the
+    last two axes are flattened (``quantize.pack_bits``: byte ``j`` holds code ``j`` of each
+    run). The bytes stay the innermost axis, contiguous for the loads of a fused loop."""
+    if bits == 8:
+        return payload.unsqueeze(-2).float()
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=payload.device).unsqueeze(-1)
+    return ((payload.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)).float()
+
+
+def _code_scores(q, payload, scale, zero, bits: int, group: int, axis: int, length: int,
+                 width: int):
+    """``q (b, hk, m, width)`` against every slot of per-channel codes:
+    ``Σ_c (q_c·scale_c)·code_c + Σ_c q_c·zero_c``, ``(b, hk, m, slots)``."""
+    codes = _unpacked(payload, bits)  # (b, hk, width, groups, per, bytes)
+    q = q[..., None].float()  # (b, hk, m, width, 1)
+    by_scale = q * scale.unsqueeze(2).float()  # (b, hk, m, width, groups)
+    by_zero = (q * zero.unsqueeze(2).float()).sum(-2)  # (b, hk, m, groups)
+    scores = (by_scale[..., None, None] * codes.unsqueeze(2)).sum(3) + by_zero[..., None, None]
+    return scores.flatten(-3)
+
+
+def _code_values(payload, scale, zero, bits: int, group: int, axis: int, length: int,
+                 width: int):
+    """Per-channel codes dequantized, every slot: ``(b, hk, slots, width)``."""
+    codes = _unpacked(payload, bits)  # (b, hk, width, groups, per, bytes)
+    values = zero.float()[..., None, None] + codes * scale.float()[..., None, None]
+    return values.flatten(-3).transpose(-1, -2).to(scale.dtype)
+
+
+def _code_sums(p, payload, scale, zero, bits: int, group: int, axis: int, length: int,
+               width: int):
+    """``Σ_slot p·(zero + code·scale)`` for weights ``p (b, hk, m, slots)``:
+    ``(b, hk, m, width)``."""
+    codes = _unpacked(payload, bits)
+    p = p.float()
+    if axis == -2:  # (b, hk, width, groups, per, bytes) along the tokens
+        p = p.unflatten(-1, codes.shape[-3:])  # (b, hk, m, groups, per, bytes)
+        by_code = (p.unsqueeze(3) * codes.unsqueeze(2)).sum((-2, -1))  # (b, hk, m, width, groups)
+        per_group = p.sum((-2, -1)).unsqueeze(3)  # (b, hk, m, 1, groups)
+        return (by_code * scale.unsqueeze(2).float() + per_group * zero.unsqueeze(2).float()).sum(-1)
+    # per token: (b, hk, tokens, channel groups, per, bytes) along the channels
+    by_scale = p[..., None] * scale.unsqueeze(2).float()  # (b, hk, m, tokens, channel groups)
+    out = (by_scale[..., None, None] * codes.unsqueeze(2)).sum(3)  # (b, hk, m, groups, per, bytes)
+    by_zero = (p[..., None] * zero.unsqueeze(2).float()).sum(3)  # (b, hk, m, channel groups)
+    return (out + by_zero[..., None, None]).flatten(-3)[..., :width]

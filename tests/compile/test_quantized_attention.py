@@ -1,0 +1,397 @@
+"""The compiled path over quantized caches (``latent_bits`` 8 or 4, dynamic cache).
+
+The attention functions of ``compile.quantized_attention`` read the sides a
+``QuantizedLatentDynamicLayer`` hands over (codes with spare slots, a window with spare rows)
+and must equal attention over the same sides dequantized; the absorb pass must put them in
+place of decode SDPA; and a compiled greedy ``generate`` must equal the eager one token for
+token, without graph breaks, in a handful of graphs, with every decode attention reading
+codes (no ``lorc::dequantize`` left to materialise the cache).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import fx
+from transformers import LlamaConfig
+from transformers.cache_utils import DynamicCache
+
+from lorc_fx.analysis import analyze
+from lorc_fx.analysis.records import named_params
+from lorc_fx.api import compress
+from lorc_fx.cache import LatentCache, LatentCodec
+from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, dequantize_codes_math
+from lorc_fx.cache.quantize import QuantSpec
+from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
+from lorc_fx.compile.backend import LorcBackend, lorc_backend
+from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
+from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
+from lorc_fx.compile.passes.absorb_latent_attention import absorb_latent_attention
+from lorc_fx.compile.quantized_attention import (quantized_kv_attention,
+                                                 quantized_latent_attention,
+                                                 quantized_rotary_latent_attention)
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import layer_inputs, plain_quantized_plan, value_token_group
+from helpers.families import build, config_for
+from helpers.pass_helpers import compiled, generate, prompt
+
+D = 8  # head dim
+
+
+# ---------------------------------------------------------------- sides as the layer hands them
+
+def filled_layer(codec, k_spec, v_spec, batch, kv_heads, chunks, gen):
+    """A quantized layer after updates of ``chunks`` tokens each (random keys and values)."""
+    config = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, num_key_value_heads=kv_heads,
+                         head_dim=D, num_hidden_layers=1, vocab_size=16)
+    cache = LatentCache.from_codecs(DynamicCache(config=config), {0: codec}, {0: (k_spec, v_spec)})
+    for tokens in chunks:
+        shape = (batch, kv_heads, tokens, D)
+        cache.update(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen) * 2, 0)
+    return cache.layers[0]
+
+
+def side(store, window, tokens):
+    """The triple the absorb pass hands over for one side of the layer."""
+    if store is None:
+        return None, window, None
+    q = store
+    codes = (q.payload, q.scale, q.zero, q.spec.bits, q.spec.group,
+             -2 if q.spec.axis % 4 == 2 else -1, q.shape[2], q.shape[3])
+    return codes, window, tokens
+
+
+def sides(layer: QuantizedLatentDynamicLayer):
+    tokens = layer.get_seq_length()
+    return (side(layer.k_store, layer.keys, tokens), side(layer.v_store, layer.values, tokens))
+
+
+def attention_mask(kind: str, batch: int, t: int, n: int, gen):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        mask = torch.rand(batch, 1, t, n, generator=gen) > 0.3
+        mask[..., -1] = True  # no row masked out entirely
+        mask[0, ..., :2] = False  # left padding
+        return mask
+    return torch.randn(batch, 1, t, n, generator=gen)
+
+
+def orthonormal_rows(rank: int, width: int, gen) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(width, width, generator=gen)).Q.T[:rank].contiguous()
+
+
+HEADS = st.sampled_from([(4, 2), (6, 1), (4, 4), (6, 3)])  # (query heads, kv heads)
+SIDE_SETTINGS = settings(max_examples=60, deadline=None,
+                         suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def fillings(draw):
+    """Bits, group and update sizes: a first chunk (a prompt), then single tokens, so the
+    window ends anywhere in ``0 .. G - 1`` with whole groups quantized before it."""
+    bits = draw(st.sampled_from([8, 4]))
+    group = draw(st.sampled_from([2, 4, 8]))
+    chunks = [draw(st.integers(1, 3 * group))] + [1] * draw(st.integers(0, 2 * group))
+    return bits, group, chunks
+
+
+@SIDE_SETTINGS
+@given(filling=fillings(), heads=HEADS, batch=st.integers(1, 2), t=st.integers(1, 3),
+       mask=st.sampled_from(["none", "bool", "float"]), seed=st.integers(0, 99))
+def test_plain_quantized_attention_equals_sdpa_over_the_dequantized_cache(filling, heads, batch,
+                                                                          t, mask, seed):
+    """Keys per channel, values per token (a plain plan's layout); GQA: query head ``i`` reads
+    kv head ``i // (h / h_kv)``."""
+    (bits, group, chunks), (h, h_kv) = filling, heads
+    gen = torch.Generator().manual_seed(seed)
+    layer = filled_layer(LatentCodec(None, None, h_kv), QuantSpec.per_channel(bits, group),
+                         QuantSpec.per_token(bits, value_token_group(D, group)), batch, h_kv,
+                         chunks, gen)
+    keys, values = layer.latents()
+    q = torch.randn(batch, h, t, D, generator=gen)
+    attn_mask = attention_mask(mask, batch, t, keys.shape[-2], gen)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, scale=0.3,
+                                              enable_gqa=True)
+    got = quantized_kv_attention(q, *sides(layer), attn_mask=attn_mask, scale=0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@SIDE_SETTINGS
+@given(filling=fillings(), heads=HEADS, batch=st.integers(1, 2), t=st.integers(1, 3),
+       mask=st.sampled_from(["none", "bool", "float"]), k_rank=st.integers(0, 6),
+       v_rank=st.integers(1, 6), rotary=st.booleans(), seed=st.integers(0, 99))
+def test_latent_quantized_attention_equals_latent_attention_over_the_dequantized_latents(
+        filling, heads, batch, t, mask, k_rank, v_rank, rotary, seed):
+    """Latents per channel, both sides quantized, or the keys zero-wide (kept in the model's
+    dtype); post-RoPE keys absorbed, or pre-RoPE keys rebuilt and scored by angle."""
+    (bits, group, chunks), (h, h_kv) = filling, heads
+    gen = torch.Generator().manual_seed(seed)
+    k_basis, v_basis = (orthonormal_rows(r, h_kv * D, gen) for r in (k_rank, v_rank))
+    spec = QuantSpec.per_channel(bits, group)
+    layer = filled_layer(LatentCodec(k_basis, v_basis, h_kv), spec if k_rank else None, spec,
+                         batch, h_kv, chunks, gen)
+    k_latent, v_latent = layer.latents()
+    n = k_latent.shape[-2]
+    q = torch.randn(batch, h, t, D, generator=gen)
+    attn_mask = attention_mask(mask, batch, t, n, gen)
+    if rotary:
+        angles = torch.rand(batch, n, D // 2, generator=gen) * 6
+        cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+        expected = rotary_latent_attention(q, k_latent, cos, sin, v_latent, k_basis, v_basis,
+                                           h_kv, "half", attn_mask=attn_mask, scale=0.3)
+        k_side, v_side = sides(layer)
+        got = quantized_rotary_latent_attention(q, k_side, cos, sin, v_side, k_basis, v_basis,
+                                                h_kv, "half", attn_mask=attn_mask, scale=0.3)
+    else:
+        expected = latent_attention(q, k_latent, v_latent, k_basis, v_basis, h_kv,
+                                    attn_mask=attn_mask, scale=0.3, use_kernel=False)
+        got = quantized_latent_attention(q, *sides(layer), k_basis, v_basis, h_kv,
+                                         attn_mask=attn_mask, scale=0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def run_and_get_kernels(fn, *inputs):
+    """``fn`` traced to aten ops and compiled by Inductor (as ``lorc_backend`` compiles the
+    rewritten graph); its output and generated code."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    out, code = run_and_get_code(lambda: compile_fx(make_fx(fn)(*inputs), list(inputs))(*inputs))
+    return out, "\n".join(code)
+
+
+def float_buffers(code: str) -> list[int]:
+    """Elements of every float32 buffer the generated code allocates."""
+    sizes = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\), \([\d, ]*\), torch\.float32\)", code)
+    return [eval("*".join(s.strip(", ").split(", ")) or "1") for s in sizes]
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("kind", ["plain", "latent"])
+def test_inductor_reads_codes_without_a_full_precision_copy(kind):
+    """Compiled by Inductor, the attention equals the reference and allocates no float buffer
+    as large as a dequantized side: the dequantization is fused into the reductions."""
+    gen = torch.Generator().manual_seed(0)
+    h, h_kv, group = 6, 2, 16
+    chunks = [5 * group + 3, 1, 1]
+    if kind == "plain":
+        layer = filled_layer(LatentCodec(None, None, h_kv), QuantSpec.per_channel(4, group),
+                             QuantSpec.per_token(4, group), 1, h_kv, chunks, gen)
+        keys, values = layer.latents()
+        q = torch.randn(1, h, 1, D, generator=gen)
+        expected = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        attend = quantized_kv_attention
+        extra = ()
+    else:
+        k_basis, v_basis = (orthonormal_rows(h_kv * D, h_kv * D, gen) for _ in range(2))
+        spec = QuantSpec.per_channel(4, group)
+        layer = filled_layer(LatentCodec(k_basis, v_basis, h_kv), spec, spec, 1, h_kv, chunks,
+                             gen)
+        keys, values = layer.latents()
+        q = torch.randn(1, h, 1, D, generator=gen)
+        expected = latent_attention(q, keys, values, k_basis, v_basis, h_kv, use_kernel=False)
+        attend = quantized_latent_attention
+        extra = (k_basis, v_basis, h_kv)
+    (k_codes, k_window, tokens), (v_codes, v_window, _) = sides(layer)
+
+    def fn(q, kp, ks, kz, kw, vp, vs, vz, vw):
+        return attend(q, ((kp, ks, kz, *k_codes[3:]), kw, tokens),
+                      ((vp, vs, vz, *v_codes[3:]), vw, tokens), *extra)
+
+    got, code = run_and_get_kernels(fn, q, *k_codes[:3], k_window, *v_codes[:3], v_window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    dequantized_side = min(keys.numel(), values.numel())
+    assert max(float_buffers(code)) < dequantized_side
+
+
+# ---------------------------------------------------------------- the absorb pass
+
+def decode_graph(kind: str, window: str):
+    """``sdpa(q, K, V)`` over sides as the quantized layer traces them: ``K``/``V`` are
+    ``cat([lorc.dequantize(codes), window]).narrow(2, 0, tokens)`` (``window="spare"``),
+    ``cat([...])`` (``"cat"``) or a bare ``lorc.dequantize`` (``"none"``), through
+    ``lorc.reconstruct`` for a latent plan (``kind="latent"``)."""
+    g = fx.Graph()
+    names = ("q", "kp", "ks", "kz", "kw", "vp", "vs", "vz", "vw", "pk", "pv")
+    q, kp, ks, kz, kw, vp, vs, vz, vw, pk, pv = (g.placeholder(n) for n in names)
+
+    def read(payload, scale, zero, rest, win):
+        x = g.call_function(DEQUANTIZE, (payload, scale, zero, *rest))
+        if window != "none":
+            x = g.call_function(torch.cat, ([x, win],), dict(dim=-2))
+        if window == "spare":
+            x = g.call_method("narrow", (x, 2, 0, TOKENS))
+        return x
+
+    k = read(kp, ks, kz, K_REST[kind], kw)
+    v = read(vp, vs, vz, V_REST[kind], vw)
+    if kind == "latent":
+        k, v = (g.call_function(RECONSTRUCT, (x, basis, 2)) for x, basis in ((k, pk), (v, pv)))
+    g.output(g.call_function(F.scaled_dot_product_attention, (q, k, v), dict(enable_gqa=True)))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+GROUP, TOKENS = 4, 15  # 12 quantized tokens (3 groups, + 2 spare), a window of 3 (+ 2 spare)
+K_REST = {"plain": (4, GROUP, -2, 12, D), "latent": (4, GROUP, -2, 12, 6)}
+V_REST = {"plain": (4, GROUP, -1, 12, D), "latent": (4, GROUP, -2, 12, 6)}
+
+
+def decode_inputs(kind: str, window: str, t: int = 1):
+    from lorc_fx.cache.quantize import quantize
+
+    gen = torch.Generator().manual_seed(0)
+    width = D if kind == "plain" else 6
+    heads = 2 if kind == "plain" else 1
+    rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    k = quantize(rand(1, heads, 12 + 2 * GROUP, width), QuantSpec.per_channel(4, GROUP))
+    v_spec = QuantSpec.per_token(4, GROUP) if kind == "plain" else QuantSpec.per_channel(4, GROUP)
+    v = quantize(rand(1, heads, 12 + 2 * GROUP, width), v_spec)
+    rows = {"spare": 5, "cat": 3, "none": 0}[window]
+    basis = lambda: torch.linalg.qr(rand(2 * D, 6)).Q.T.contiguous()  # noqa: E731
+    return [rand(1, 4, t, D), k.payload, k.scale, k.zero, rand(1, heads, rows, width),
+            v.payload, v.scale, v.zero, rand(1, heads, rows, width), basis(), basis()]
+
+
+def with_examples(gm: fx.GraphModule, inputs) -> None:
+    """Every node's value in ``meta["example_value"]``, as dynamo records it."""
+    class Recorder(fx.Interpreter):
+        def run_node(self, node):
+            node.meta["example_value"] = out = super().run_node(node)
+            return out
+
+    Recorder(gm).run(*inputs)
+
+
+@pytest.mark.parametrize("kind, function", [("plain", quantized_kv_attention),
+                                            ("latent", quantized_latent_attention)])
+@pytest.mark.parametrize("window", ["spare", "cat", "none"])
+def test_absorb_reads_quantized_sides_in_decode_graphs(kind, function, window):
+    gm = decode_graph(kind, window)
+    inputs = decode_inputs(kind, window)
+    with_examples(gm, inputs)
+    expected = gm(*inputs)
+    assert absorb_latent_attention(gm) == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert function in targets and DEQUANTIZE not in targets and torch.cat not in targets
+    torch.testing.assert_close(gm(*inputs), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_absorb_leaves_quantized_prefill_to_the_lowering(monkeypatch):
+    """More query tokens than ``MAX_DECODE_QUERY``: plain SDPA stays, over the dequantized
+    side (the latent plan's becomes ``latent_attention`` over it)."""
+    monkeypatch.setattr(absorb_module, "MAX_DECODE_QUERY", 2)
+    for kind in ("plain", "latent"):
+        gm = decode_graph(kind, "spare")
+        inputs = decode_inputs(kind, "spare", t=3)
+        with_examples(gm, inputs)
+        absorbed = absorb_latent_attention(gm)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert DEQUANTIZE in targets
+        assert absorbed == (kind == "latent")
+
+
+# ---------------------------------------------------------------- compiled generate
+
+def compress_quantized(model, mode: str, bits: int, group: int):
+    if mode == "plain":
+        blocks = analyze(model)
+        plan = plain_quantized_plan(layer_inputs(named_params(model), blocks),
+                                    PlanOptions(latent_bits=bits, latent_group=group))
+        compress(model, plan=plan, blocks=blocks)
+    else:
+        compress(model, 0.6, basis="weight", schedule="uniform", rope=mode, latent_bits=bits,
+                 latent_group=group)
+
+
+def compiled_generate(model, backend, ids, mask, new_tokens):
+    """Greedy ``generate`` through ``backend``; the graphs it compiled, graph breaks counted."""
+    from torch._dynamo.utils import counters
+
+    graphs = []
+
+    def spy(gm, example_inputs):
+        compiled_fn = backend(gm, example_inputs)
+        graphs.append(gm)
+        return compiled_fn
+
+    counters.clear()
+    with compiled(model, spy):
+        out = generate(model, ids, mask, new_tokens=new_tokens)
+    return out, graphs, sum(counters["graph_break"].values())
+
+
+def assert_decode_reads_codes(backend, graphs, layers: int):
+    """Every attention of every decode graph rewritten, and no dequantization left in them
+    (the first graph is the prefill)."""
+    assert [r.absorbed for r in backend.reports[1:]] == [layers] * (len(graphs) - 1)
+    for gm in graphs[1:]:
+        targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+        assert not targets & {DEQUANTIZE, dequantize_codes_math}
+
+
+@pytest.mark.parametrize("mode, bits", [
+    ("commute", 8), ("reconstruct", 4), ("plain", 4),
+    pytest.param("commute", 4, marks=pytest.mark.slow),
+    pytest.param("reconstruct", 8, marks=pytest.mark.slow),
+    pytest.param("plain", 8, marks=pytest.mark.slow)])
+def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monkeypatch):
+    """Groups of 8, a prompt of 6 (shorter than a group) and 64 new tokens: 8 groups settle.
+    Prefill (more tokens than the patched ``MAX_DECODE_QUERY``) reads the cache dequantized.
+
+    Graphs: 4 — prefill, the first decode step, the window growing while no group is stored,
+    then one graph for every later step (the store's and the window's lengths dynamic and never
+    0 or 1, the settling of a group inside the graph). Through AOT autograd (Inductor) the step
+    that settles the first group takes one more when the prompt is shorter than a group: 5,
+    under dynamo's recompile limit of 8."""
+    monkeypatch.setattr(absorb_module, "MAX_DECODE_QUERY", 2)
+    model = build(config_for("llama", heads=4, kv_heads=2, layers=2))
+    ids, mask = prompt(length=6)
+    compress_quantized(model, mode, bits, group=8)
+    expected = generate(model, ids, mask, new_tokens=64)
+    backend = lorc_backend.with_options(inductor=False)
+    got, graphs, breaks = compiled_generate(model, backend, ids, mask, 64)
+    assert isinstance(got.past_key_values.layers[0], QuantizedLatentDynamicLayer)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
+                               atol=1e-4, rtol=1e-4)
+    assert breaks == 0
+    assert len(graphs) == 4
+    assert_decode_reads_codes(backend, graphs, model.config.num_hidden_layers)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("mode, bits", [("plain", 4), ("commute", 8), ("reconstruct", 4)])
+def test_inductor_generate_over_quantized_latents_matches_eager(mode, bits):
+    """Through Inductor (~20 s a graph on 2 cores: slow). Measured: 4 or 5 graphs, tokens
+    equal."""
+    model = build(config_for("llama", heads=4, kv_heads=2, layers=1))
+    ids, mask = prompt(length=6)
+    compress_quantized(model, mode, bits, group=4)
+    expected = generate(model, ids, mask, new_tokens=24)
+    backend = lorc_backend.with_options()
+    got, graphs, breaks = compiled_generate(model, backend, ids, mask, 24)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
+                               atol=1e-4, rtol=1e-4)
+    assert breaks == 0 and len(graphs) <= 5
+    assert_decode_reads_codes(backend, graphs, model.config.num_hidden_layers)
+
+
+# ---------------------------------------------------------------- the backend's options
+
+def test_backend_takes_latent_bits_but_refuses_to_quantize_an_uncompressed_model():
+    """Compressing cache-free attention from the graph's weights caches nothing to quantize."""
+    backend = LorcBackend(inductor=False, latent_bits=4)
+    assert backend.passes.uuid() != LorcBackend(inductor=False).passes.uuid()
+    model = build(config_for("llama", layers=1))
+    ids, _ = prompt(batch=1)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="latent_bits=4"):
+        torch.compile(model, backend=backend)(ids, use_cache=False)
+    torch._dynamo.reset()
