@@ -194,7 +194,7 @@ def _unpacked(payload, bits: int):
 
 
 def _code_scores(q, payload, scale, zero, bits: int, group: int, axis: int, length: int,
-                 width: int):
+                 width: int, dtype: torch.dtype):
     """``q (b, hk, m, width)`` against every slot of per-channel codes:
     ``Σ_c (q_c·scale_c)·code_c + Σ_c q_c·zero_c``, ``(b, hk, m, slots)``."""
     codes = _unpacked(payload, bits)  # (b, hk, width, groups, per, bytes)
@@ -206,15 +206,15 @@ def _code_scores(q, payload, scale, zero, bits: int, group: int, axis: int, leng
 
 
 def _code_values(payload, scale, zero, bits: int, group: int, axis: int, length: int,
-                 width: int):
-    """Per-channel codes dequantized, every slot: ``(b, hk, slots, width)``."""
+                 width: int, dtype: torch.dtype):
+    """Per-channel codes dequantized, every slot: ``(b, hk, slots, width)`` in ``dtype``."""
     codes = _unpacked(payload, bits)  # (b, hk, width, groups, per, bytes)
     values = zero.float()[..., None, None] + codes * scale.float()[..., None, None]
-    return values.flatten(-3).transpose(-1, -2).to(scale.dtype)
+    return values.flatten(-3).transpose(-1, -2).to(dtype)
 
 
 def _code_sums(p, payload, scale, zero, bits: int, group: int, axis: int, length: int,
-               width: int):
+               width: int, dtype: torch.dtype):
     """``Σ_slot p·(zero + code·scale)`` for weights ``p (b, hk, m, slots)``:
     ``(b, hk, m, width)``."""
     codes = _unpacked(payload, bits)

@@ -60,7 +60,7 @@ def side(store, window, tokens):
         return None, window, None
     q = store
     codes = (q.payload, q.scale, q.zero, q.spec.bits, q.spec.group,
-             -2 if q.spec.axis % 4 == 2 else -1, q.shape[2], q.shape[3])
+             -2 if q.spec.axis % 4 == 2 else -1, q.shape[2], q.shape[3], q.dtype)
     return codes, window, tokens
 
 
@@ -237,8 +237,10 @@ def decode_graph(kind: str, window: str):
 
 
 GROUP, TOKENS = 4, 15  # 12 quantized tokens (3 groups, + 2 spare), a window of 3 (+ 2 spare)
-K_REST = {"plain": (4, GROUP, -2, 12, D), "latent": (4, GROUP, -2, 12, 6)}
-V_REST = {"plain": (4, GROUP, -1, 12, D), "latent": (4, GROUP, -2, 12, 6)}
+K_REST = {"plain": (4, GROUP, -2, 12, D, torch.float32),
+          "latent": (4, GROUP, -2, 12, 6, torch.float32)}
+V_REST = {"plain": (4, GROUP, -1, 12, D, torch.float32),
+          "latent": (4, GROUP, -2, 12, 6, torch.float32)}
 
 
 def decode_inputs(kind: str, window: str, t: int = 1):

@@ -45,7 +45,8 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
               "enable_gqa")
 _RECONSTRUCT_ARGS = ("latent", "basis", "num_heads")
 _ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style")
-_DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width")
+_DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width",
+                    "dtype")
 # query tokens up to which attention over pre-RoPE keys or quantized sides materialises its
 # scores
 MAX_DECODE_QUERY = 32
