@@ -199,16 +199,24 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- quantization
 
-def _round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """``x`` (float32) rounded to ``dtype``, toward +inf (``up``) or -inf, as float32."""
-    r = x.to(dtype).float()
-    if dtype == torch.float32:
-        return r
-    # branch-free (a data-dependent ``if`` would break a traced graph): where nothing
-    # rounded the wrong way, ``where`` keeps ``r`` as it is
-    target = torch.full_like(r, math.inf if up else -math.inf).to(dtype)
-    stepped = torch.nextafter(r.to(dtype), target).float()
-    return torch.where(r < x if up else r > x, stepped, r)
+def round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """``x`` (float32) rounded to ``dtype`` toward +inf (``up``) or -inf, as float32, without
+    a branch on data (a traced graph has none).
+
+    A 16-bit value is stepped by one unit in the last place on its bits (Inductor lowers
+    ``torch.nextafter`` of a 16-bit tensor to a float32 step, which rounds back to where it
+    started), and read back through an integer op (``| 0``): Inductor by default
+    (``emulate_precision_casts=False``) drops a float round trip through a 16-bit dtype,
+    which would leave scales and zero points unrounded in the codes' arithmetic, so compiled
+    codes would disagree with the scales stored beside them."""
+    if dtype.itemsize >= 4:  # float32: x itself; float64 holds it exactly
+        return x.to(dtype).float()
+    bits = x.to(dtype).view(torch.int16)
+    near = (bits | 0).view(dtype).float()
+    # sign and magnitude: a step up moves a value with the sign bit clear away from zero
+    away = bits >= 0 if up else bits < 0
+    stepped = torch.where(away, bits + 1, bits - 1).view(dtype).float()
+    return torch.where(near < x if up else near > x, stepped, near)
 
 
 def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -235,8 +243,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
     checked = not torch.compiler.is_compiling()  # a traced graph has no data-dependent branch
     if checked and not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         raise ValueError("quantize takes finite values")
-    zero = _round_to(lo, scale_dtype, up=False)
-    scale = _round_to((hi - zero) / levels, scale_dtype, up=True)
+    zero = round_to(lo, scale_dtype, up=False)
+    scale = round_to((hi - zero) / levels, scale_dtype, up=True)
     if checked and not bool(torch.isfinite(zero).all() and torch.isfinite(scale).all()):
         raise OverflowError(f"the groups' ranges do not fit scale_dtype {scale_dtype}")
     # an exactly constant group: every element equals zero, any scale works

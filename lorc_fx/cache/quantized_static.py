@@ -45,26 +45,7 @@ import torch
 
 from .latent_ops import dequantized
 from .layers import LatentCodec, LatentStaticLayer
-from .quantize import QuantizedTensor, QuantSpec, pack_bits
-
-
-def _round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
-    """``x`` (float32) rounded to ``dtype`` toward +inf (``up``) or -inf, as float32: the
-    rounding of ``quantize.quantize``, without its branch on data.
-
-    A 16-bit value is stepped by one unit in the last place on its bits (Inductor lowers
-    ``torch.nextafter`` of a 16-bit tensor to a float32 step, which rounds back to where it
-    started), and read back through an integer op (``| 0``): Inductor by default
-    (``emulate_precision_casts=False``) drops a float round trip through a 16-bit dtype,
-    which would leave scales and zero points unrounded in the codes' arithmetic."""
-    if dtype.itemsize >= 4:  # float32: x itself; float64 holds it exactly
-        return x.to(dtype).float()
-    bits = x.to(dtype).view(torch.int16)
-    near = (bits | 0).view(dtype).float()
-    # sign and magnitude: a step up moves a value with the sign bit clear away from zero
-    away = bits >= 0 if up else bits < 0
-    stepped = torch.where(away, bits + 1, bits - 1).view(dtype).float()
-    return torch.where(near < x if up else near > x, stepped, near)
+from .quantize import QuantizedTensor, QuantSpec, pack_bits, round_to
 
 
 def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpec,
@@ -80,8 +61,8 @@ def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpe
         some = valid.any(-1)
         lo = torch.where(some, torch.where(valid, x, math.inf).amin(-1), 0.0)
         hi = torch.where(some, torch.where(valid, x, -math.inf).amax(-1), 0.0)
-    zero = _round_to(lo, scale_dtype, up=False)
-    scale = _round_to((hi - zero) / levels, scale_dtype, up=True)
+    zero = round_to(lo, scale_dtype, up=False)
+    scale = round_to((hi - zero) / levels, scale_dtype, up=True)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((x - zero[..., None]) / scale[..., None]).clamp_(0, levels)
     return pack_bits(codes.to(torch.uint8), spec.bits), scale.to(scale_dtype), zero.to(scale_dtype)
