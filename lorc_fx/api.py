@@ -308,7 +308,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     first, start = None, time.perf_counter()
     if calibrates or len(widths) > 1:
         plain_first = len(widths) > 1 and _plain_fits(model, blocks, options, widths, groups)
-        first = _announce_first_plan(model, blocks, options, modes, measure)
+        first = _announce_first_plan(model, blocks, options, modes, measure, plain_first)
         wanted = ([] if plain_first else [options.calibration]) + (
             [held_out_calibration(options)]
             if measure or (schedule == "calibrated" and key_fraction is None) else [])
@@ -335,7 +335,7 @@ def _plain_fits(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpt
 
 
 def _announce_first_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-                         modes: list[str], measure: bool) -> Path | None:
+                         modes: list[str], measure: bool, plain_first: bool) -> Path | None:
     """Where a first plan of ``model`` with these calibration options keeps what it
     measures, after one warning saying what it does; ``None`` where the model was sampled
     (or calibrated) before."""
@@ -343,13 +343,16 @@ def _announce_first_plan(model: nn.Module, blocks: list[AttentionBlock], options
             sampled_before(model, held_out_calibration(options)) and measure):
         return None
     where = user_cache_dir() / "calibration"
+    low_rank = ("attention statistics and the key/value split of "
+                f"{' and '.join(modes)} RoPE mode(s) for low-rank candidates")
     steps = (["sampling text from the model"] if SELF_TEXT in options.calibration.texts
-             else []) + (["measuring candidate plans on held-out windows of it"] if measure
-                         else []) + [
-        "for low-rank candidates, attention statistics and the key/value split of "
-        f"{' and '.join(modes)} RoPE mode(s)"]
-    log.warning("lorc_fx: first plan of %s: %s (minutes on a CPU; progress below), kept in %s "
-                "for later plans. A saved plan skips it all: report.save(path), then "
+             else []) + (["measuring plain 8- and 4-bit KV quantization on held-out windows of "
+                          f"it, then, unless one is within noise of the full cache, {low_rank}"]
+                         if plain_first else
+                         ["measuring candidate plans on held-out windows of it"] if measure
+                         else []) + ([] if plain_first else [low_rank])
+    log.warning("lorc_fx: first plan of %s: %s (up to minutes on a CPU; progress below), kept "
+                "in %s for later plans. A saved plan skips it all: report.save(path), then "
                 "compress(model, plan=path)", type(model).__name__, ", ".join(steps), where)
     return where
 

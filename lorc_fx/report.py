@@ -13,13 +13,17 @@ from lorc_fx.plan.planner import Plan
 
 
 def plan_table(plan: Plan) -> str:
-    if plan.kind == "plain":  # every layer full width: one line says it
+    o = plan.options
+    if plan.kind == "plain":  # every layer full width: no rank table, one line says it all
         kept = sum(l.skipped for l in plan.layers)
-        lines = [f"{len(plan.layers) - kept} layers at full width (no basis)"
-                 + (f"; {kept} kept as transformers builds them" if kept else "")]
+        lines = [f"plain KV quantization of {len(plan.layers) - kept} attention layers"
+                 + (f" ({kept} kept as transformers builds them)" if kept else "")
+                 + f", no low rank: keys (after RoPE) and values stored as {o.latent_bits}-bit "
+                 f"codes, keys per channel over groups of {o.latent_group} tokens, values per "
+                 "token over groups of channels within each head (the last partial group of "
+                 "tokens in full precision)"]
     else:
         lines = _rank_table(plan)
-    o = plan.options
     lo, hi = plan.reachable
     asked = (f"requested {o.bits_per_value:g} bits per value" if o.bits_per_value is not None
              else f"requested {o.cache_fraction:.4f}")
@@ -42,12 +46,7 @@ def plan_table(plan: Plan) -> str:
             "every decode step, so long-context decode gains less speed than the cache shrinks "
             "(bench/results/long_context-cpu.md); objective='speed' (--objective speed) caches "
             "keys after RoPE instead")
-    if plan.kind == "plain":
-        lines.append(f"plain KV quantization: keys (after RoPE) and values stored as they are, "
-                     f"as {o.latent_bits}-bit codes, keys per channel over groups of "
-                     f"{o.latent_group} tokens, values per token over groups of channels "
-                     "within each head (the last partial group of tokens in full precision)")
-    elif o.latent_bits != 16:
+    if plan.kind != "plain" and o.latent_bits != 16:
         lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
                      f"{o.latent_group} tokens (the last partial group in full precision)")
     if plan.candidates:

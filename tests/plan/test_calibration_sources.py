@@ -119,6 +119,9 @@ def test_a_first_plan_says_what_it_measures_where_it_keeps_it_and_how_long_it_to
     (first,) = [m for m in said if "first plan of" in m]
     where = str(calibration.user_cache_dir() / "calibration")
     assert "sampling text from the model" in first and where in first and "report.save" in first
+    # a float32 model at 0.75 fits plain 8-bit quantization: measured first, low rank only if
+    # it costs more than noise
+    assert "plain 8- and 4-bit KV quantization" in first and "unless one is within noise" in first
     (done,) = [m for m in said if "first plan made in" in m]
     assert where in done
     caplog.clear()

@@ -120,5 +120,7 @@ def test_a_plain_candidate_within_noise_of_the_full_model_ends_the_search(model,
     (only,) = report.plan.candidates
     assert only["candidate"] == "plain KV quantization, 8-bit, G64"
     assert report.plan.kind == "plain" and report.plan.options.latent_bits == 8
+    assert str(report).startswith(f"plain KV quantization of {len(blocks)} attention layers, "
+                                  "no low rank: keys (after RoPE) and values stored as 8-bit")
     full = calibration_loss(model, blocks, None, held_out_windows(model, report.plan.options))
     assert only["loss"] <= full + 1.0
