@@ -115,6 +115,6 @@ def run_demo(cache_fraction: float, out_dir: str, plan_options: dict, tokens: in
     (out / "report.json").write_text(json.dumps(data, indent=2))
     plot_plan(report.plan, str(out / "plan.png"))
     plot_perplexity(ppl, str(out / "perplexity.png"))
-    log(f"\ncache bytes per token: {full_bytes} full, {kept_bytes} compressed; wrote "
+    log(f"\ncache bytes per token: {full_bytes} full, {kept_bytes:g} compressed; wrote "
         f"{out / 'report.json'}, {out / 'plan.png'}, {out / 'perplexity.png'}")
     return data
