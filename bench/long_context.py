@@ -80,9 +80,14 @@ def _reset_peak_rss() -> bool:
 
 
 def _cache_bytes(cache) -> int:
-    """Bytes of every tensor held by the cache's layers and the cache itself (one level down
-    into non-layer attributes), each storage counted once."""
+    """Bytes of every tensor held by the cache: a ``LatentCache`` counts its own (latents or
+    codes, scales, zero points, windows, the RoPE angle log: ``LatentCache.cache_bytes``);
+    any other cache, every tensor of its layers and of the cache itself (one level down into
+    non-layer attributes), each storage counted once."""
     import torch
+
+    if hasattr(cache, "cache_bytes"):
+        return cache.cache_bytes()
 
     seen, total = set(), 0
 

@@ -397,3 +397,18 @@ def test_backend_takes_latent_bits_but_refuses_to_quantize_an_uncompressed_model
     with torch.no_grad(), pytest.raises(Exception, match="latent_bits=4"):
         torch.compile(model, backend=backend)(ids, use_cache=False)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layout", ["per_channel", "per_token"])
+def test_the_lowered_dequantize_is_contiguous_so_prefill_keeps_the_fused_sdpa(layout):
+    """SDPA's fused CPU kernel needs a last dim of stride 1; a per-channel side's codes
+    unpack with the channel axis strided, and a compiled prefill over it fell back to unfused
+    maths (2.3× slower at 4096 tokens)."""
+    from lorc_fx.cache.quantize import dequantize, quantize
+
+    x = torch.randn(1, 3, 100, 64)
+    q = quantize(x, getattr(QuantSpec, layout)(8, 32, torch.float16))
+    out = dequantize_codes_math(q.payload, q.scale, q.zero, 8, 32, -2 if layout == "per_channel"
+                                else -1, 100, 64, torch.float32)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, dequantize(q), atol=0, rtol=0)
