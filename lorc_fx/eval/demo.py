@@ -63,9 +63,9 @@ def run_demo(cache_fraction: float, out_dir: str, plan_options: dict, tokens: in
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seconds = {}
-    log(f"lorc demo: the embedded SmolLM2-135M, its KV cache compressed to at most "
-        f"{cache_fraction:g} of its bytes; then perplexity and a greedy continuation, full vs "
-        f"compressed" + (", and compiled decode speed" if compile_speed else ""))
+    log("lorc demo: the embedded SmolLM2-135M; plans a smaller KV cache (the plan below says "
+        "what it keeps), then perplexity and a greedy continuation, full vs compressed"
+        + (", and compiled decode speed" if compile_speed else "") + "\n")
     start = time.perf_counter()
     model, tokenizer = load_model("default"), load_tokenizer("default")
     blocks = analyze(model)

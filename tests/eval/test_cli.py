@@ -119,3 +119,23 @@ def test_a_model_directory_without_tokenizer_says_so(model_dir, capsys):
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path / "nowhere")]) == 2
     assert "not a model directory or .gguf file" in capsys.readouterr().err
+
+
+def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    """``lorc demo`` as README's main command runs it (default plan options), on a tiny
+    local model instead of the embedded one, without the compiled speed test."""
+    from helpers.tiny_llama import save_tiny_llama
+    import lorc_fx.data.models as models
+
+    directory = save_tiny_llama(tmp_path / "model")
+    real_model, real_tokenizer = models.load_model, models.load_tokenizer
+    monkeypatch.setattr(models, "load_model", lambda name: real_model(directory))
+    monkeypatch.setattr(models, "load_tokenizer", lambda name: real_tokenizer(directory))
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "report"
+    assert main(["demo", "--no-compile", "--tokens", "512", "--new-tokens", "4",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("lorc demo: ") and "perplexity on news" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["perplexity"]["ppl_compressed"] > 0 and report["decode_speed"] == {}
