@@ -253,7 +253,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     RoPE lets a data-aware key basis ignore the rotation (bench/quality.md: much better on
     SmolLM2), but the cache then keeps the angles too, which a small model's budget may not
     repay; and decode then rebuilds keys over the whole context every step, which on CPU costs
-    about what full attention does (bench/results/long_context-cpu.md):
+    about what full attention does (bench/results/long_context_lowrank-cpu.md):
     ``objective="speed"`` plans ``commute`` only. The plan's options record the basis and
     mode used. A model without attention
     the analysis can compress raises :class:`NoAttentionFound`.
@@ -345,12 +345,13 @@ def _announce_first_plan(model: nn.Module, blocks: list[AttentionBlock], options
     where = user_cache_dir() / "calibration"
     low_rank = ("attention statistics and the key/value split of "
                 f"{' and '.join(modes)} RoPE mode(s) for low-rank candidates")
-    steps = (["sampling text from the model"] if SELF_TEXT in options.calibration.texts
-             else []) + (["measuring plain 8- and 4-bit KV quantization on held-out windows of "
-                          f"it, then, unless one is within noise of the full cache, {low_rank}"]
-                         if plain_first else
-                         ["measuring candidate plans on held-out windows of it"] if measure
-                         else []) + ([] if plain_first else [low_rank])
+    steps = ["sampling text from the model"] if SELF_TEXT in options.calibration.texts else []
+    if plain_first:
+        steps.append("measuring plain 8- and 4-bit KV quantization on held-out windows of it, "
+                     f"then, unless one is within noise of the full cache, {low_rank}")
+    else:
+        steps += ["measuring candidate plans on held-out windows of it"] if measure else []
+        steps.append(low_rank)
     log.warning("lorc_fx: first plan of %s: %s (up to minutes on a CPU; progress below), kept "
                 "in %s for later plans. A saved plan skips it all: report.save(path), then "
                 "compress(model, plan=path)", type(model).__name__, ", ".join(steps), where)

@@ -44,7 +44,7 @@ def plan_table(plan: Plan) -> str:
         lines.append(
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
             "every decode step, so long-context decode gains less speed than the cache shrinks "
-            "(bench/results/long_context-cpu.md); objective='speed' (--objective speed) caches "
+            "(bench/results/long_context_lowrank-cpu.md); objective='speed' (--objective speed) caches "
             "keys after RoPE instead")
     if plan.kind != "plain" and o.latent_bits != 16:
         lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "

@@ -13,7 +13,7 @@ SCHEDULE_NAMES = ("progressive", "uniform", "greedy", "calibrated")
 BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
 # what rope="auto" optimises: the held-out loss, or decode speed (keys cached after RoPE are
 # read by absorbed attention; keys cached before it are rebuilt over the whole context every
-# step, which costs about what full attention does: bench/results/long_context-cpu.md)
+# step, which costs about what full attention does: bench/results/long_context_lowrank-cpu.md)
 OBJECTIVES = ("quality", "speed")
 LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized)
 LATENT_GROUPS = (32, 64)  # group sizes the bit-width search tries (the first: the default)
