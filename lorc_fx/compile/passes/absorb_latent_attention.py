@@ -98,6 +98,13 @@ def _is_narrow_of_first_tokens(node: fx.Node) -> bool:
     return is_narrow and len(node.args) == 4 and node.args[1] in (2, -2) and node.args[2] == 0
 
 
+def _reads_codes(k_side, v_side) -> bool:
+    """Both sides readable by ``compile.quantized_attention`` (``_side`` not None) and at
+    least one of them quantized."""
+    return k_side is not None and v_side is not None and (k_side[0] is not None
+                                                          or v_side[0] is not None)
+
+
 def _quantized_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
     """The attention over quantized sides replacing a decode ``sdpa`` as ``(function, args,
     kwargs)``, or None when neither side is quantized (or one is quantized in a way
@@ -107,7 +114,7 @@ def _quantized_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
         k = _bound(k_src, _ROTATED_ARGS if k_src.target is ROTATED_RECONSTRUCT else _RECONSTRUCT_ARGS)
         v = _bound(v_src, _RECONSTRUCT_ARGS)
         k_side, v_side = _side(k["latent"], KEY_AXES), _side(v["latent"], VALUE_AXES)
-        if k_side is None or v_side is None or (k_side[0] is None and v_side[0] is None):
+        if not _reads_codes(k_side, v_side):
             return None
         if k_src.target is RECONSTRUCT:
             return quantized_latent_attention, (
@@ -116,7 +123,7 @@ def _quantized_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
             sdpa["query"], k_side, k["cos"], k["sin"], v_side, k["basis"], v["basis"],
             k["num_heads"], k["style"]), mask
     k_side, v_side = _side(k_src, KEY_AXES), _side(v_src, VALUE_AXES)
-    if k_side is None or v_side is None or (k_side[0] is None and v_side[0] is None):
+    if not _reads_codes(k_side, v_side):
         return None
     return quantized_kv_attention, (sdpa["query"], k_side, v_side), mask
 
