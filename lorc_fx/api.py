@@ -270,8 +270,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     uncompressed model's loss ends the search before any calibration
     (``lorc_fx.search.bits``; ``progress``: a progress bar). ``Plan.candidates`` lists what
     was measured. ``"auto"`` is 16 where the plan measures nothing (a budget of the whole
-    cache, which stays exact; ``basis`` ``weight`` or ``norm`` with a ``cache_fraction``;
-    ``shards`` > 1).
+    cache, which stays exact; ``basis`` ``weight`` or ``norm`` with a ``cache_fraction``).
 
     ``shards`` > 1 makes every basis block-diagonal over that many equal groups of KV heads,
     the same rank in each (the whole-model plan a tensor-parallel model is cached by, each
@@ -292,14 +291,14 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     _require_attention(model, blocks)
     shards = _shards(blocks, shards)
     if shards > 1 and basis == "auto":
-        log.warning("basis 'auto' over %d shards of the KV heads uses 'whitened': the "
-                    "attention-aware basis has no per-shard form yet", shards)
+        log.warning("basis 'auto' over %d shards of the KV heads: low-rank candidates use "
+                    "'whitened' (the attention-aware basis has no per-shard form yet)", shards)
         basis = "whitened"
     options = checked_options(cache_fraction, basis=basis, shards=shards, **common)
     calibrates = basis == "auto" or basis in CALIBRATED_BASES or max_ppl_increase is not None
     if calibrates or bits_per_value is not None:
         options = replace(options, calibration=usable_calibration(model, options.calibration))
-    widths = bit_choices(latent_bits, searchable=shards == 1 and not options.unchanged and (
+    widths = bit_choices(latent_bits, searchable=not options.unchanged and (
         calibrates or bits_per_value is not None) and can_read(model, options.calibration))
     groups = group_choices(latent_group, widths)
     modes = ["commute"] if shards > 1 and rope == "auto" else rope_modes(rope, model, blocks,

@@ -235,8 +235,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         out["cache_bytes_per_token_per_shard_full"] = shard_full
         out["cache_bytes_per_token_per_shard_compressed"] = shard_kept
         print(f"tensor parallel over {report.plan.options.shards} processes: each caches "
-              f"{shard_kept}/{shard_full} bytes per token (its own KV heads' latents; "
-              "measured per process: cache_bytes_per_token_measured)")
+              f"{shard_kept:g}/{shard_full} bytes per token (its own KV heads' share of the "
+              "cache)")
     g = result.generation
     print(f"{args.text}: perplexity {result.ppl_full:.3f} full, {result.ppl_compressed:.3f} "
           f"compressed (x{result.ppl_ratio:.4f}) at cache fraction "

@@ -37,7 +37,10 @@ def plan_table(plan: Plan) -> str:
         lines.append(f"basis: {basis_description(plan)}")
     if plan.fraction_search:
         lines.append(f"fraction: {fraction_description(plan.fraction_search)}")
-    if o.shards > 1:
+    if o.shards > 1 and plan.kind == "plain":
+        lines.append(f"split over {o.shards} shards of the KV heads: each quantizes and caches "
+                     "its own heads' keys and values")
+    elif o.shards > 1:
         lines.append(f"bases block-diagonal over {o.shards} shards of the KV heads (ranks are "
                      f"whole-layer figures: each shard keeps 1/{o.shards} of them, on its own heads)")
     if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):

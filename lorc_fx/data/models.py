@@ -56,12 +56,12 @@ def load_model(name: str = "default", dtype: torch.dtype = torch.float32,
     """A causal LM in eval mode: ``"default"``, a local Hugging Face model directory
     (config.json + weights) or a ``.gguf`` file. ``tp_plan="auto"`` loads it
     tensor-parallel over the processes of ``torch.distributed`` (launched by torchrun)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
     source = _resolve(name)
     if source.suffix == ".gguf":
         source = _float_copy(source)
-    extra = {} if tp_plan is None else {"tp_plan": tp_plan}
+    extra = {} if tp_plan is None else {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     _set_pad_token(model)
     return model.eval()

@@ -195,8 +195,9 @@ class Plan:
         if self.shard is not None or not 0 <= index < count:
             raise ValueError(f"shard index must be in [0, {count}) of a whole-model plan, "
                              f"got {index}")
-        return replace(self, layers=[_local_layer(l, index, count) for l in self.layers],
-                       shard=index)
+        interleaved = self.kind != "plain"
+        return replace(self, layers=[_local_layer(l, index, count, interleaved)
+                                     for l in self.layers], shard=index)
 
     @property
     def cache_fraction(self) -> float:
@@ -296,9 +297,14 @@ def process_plan(plan: Plan, blocks: list[AttentionBlock]) -> Plan:
     return plan if split is None else plan.local(split.index)
 
 
-def _local_layer(layer: LayerPlan, index: int, count: int) -> LayerPlan:
+def _local_layer(layer: LayerPlan, index: int, count: int, interleaved: bool) -> LayerPlan:
+    """Shard ``index`` of ``count`` of a whole-model layer plan. A block-diagonal basis
+    (``spectra.block_diagonal``) interleaves its shards' rows (row ``j·count + s`` is shard
+    ``s``'s ``j``-th); a plain plan's identity keeps them in the dims' own order, so its shard
+    is the identity again and its codes group exactly as the whole model's do."""
     k_w, v_w = layer.k_full // count, layer.v_full // count
-    rows = lambda t, w: t[index::count, index * w:(index + 1) * w]
+    own = lambda t, w: (t[index::count] if interleaved else t[index * w:(index + 1) * w])
+    rows = lambda t, w: own(t, w)[:, index * w:(index + 1) * w]
     return replace(layer, k_full=k_w, v_full=v_w, k_rank=layer.k_rank // count,
                    v_rank=layer.v_rank // count, num_heads=layer.num_heads // count,
                    num_kv_heads=layer.num_kv_heads // count,

@@ -104,6 +104,7 @@ def best_candidate(build: Callable[[Candidate], tuple[Plan, float | None]],
             return plan, None
         planned.append((loss, candidate, plan))
         if enough is not None and loss <= enough:
+            bar.set_postfix_str(f"{candidate.name}: within noise of the full cache, search ends")
             break
     bar.close()
     if not planned:

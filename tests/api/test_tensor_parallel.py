@@ -24,6 +24,10 @@ WORKER = Path(tp_worker.__file__)
 # more families transformers shards by heads, each with a fraction its weight-basis plan
 # reaches (keys behind a q/k norm stay whole, so gemma3 and qwen3 reach no lower)
 SLOW_FAMILIES = {"mistral": 0.5, "gemma": 0.5, "gemma3": 0.85, "qwen3": 0.7}
+# the default options (basis and latent_bits "auto"), with code groups of exactly the tokens
+# a generate caches, so the bytes its cache holds are the plan's figure (whole groups)
+GROUP = len(tp_worker.PROMPT[0]) + tp_worker.NEW_TOKENS - 1
+DEFAULTS = ("--basis", "auto", "--latent-group", str(GROUP))
 
 
 def _torchrun(out: Path, model: str, *extra: str) -> list[dict]:
@@ -59,12 +63,12 @@ def runs(models, tmp_path_factory) -> dict[str, list[dict]]:
             for family in ("llama", "qwen2")}
 
 
-def _single(directory: str, fraction: float | None, basis: str = "weight"):
+def _single(directory: str, fraction: float | None, basis: str = "weight", **options):
     """(tokens, report) of the single-process model, compressed with the per-shard plan."""
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
     report = None
     if fraction is not None:
-        report = tp_worker.compress(model, fraction, basis, shards=WORLD)
+        report = tp_worker.compress(model, fraction, basis, shards=WORLD, **options)
     return tp_worker.generate(model)[0], report
 
 
@@ -161,13 +165,19 @@ def test_tensor_parallel_whitened_basis_calibrates_on_each_process(models, tmp_p
 
 
 @pytest.mark.slow
-def test_compression_adds_no_collective_to_the_compiled_decode_graph(models, tmp_path):
+@pytest.mark.parametrize("options", [("--basis", "weight"), DEFAULTS], ids=["low_rank", "plain"])
+def test_compression_adds_no_collective_to_the_compiled_decode_graph(models, tmp_path, options):
     """The graphs torch.compile hands each backend, uncompressed (Inductor) and compressed
     at 0.5 (``lorc_backend``), hold the same collectives: transformers' own (the row-parallel
     o_proj/down_proj all-reduces, the embedding/lm_head redistributions), none added by the
-    latent cache or the absorbed attention: ~80 s."""
+    latent cache or the absorbed attention, over low-rank latents (weight basis) or 8-bit
+    codes (the default options' plain plan, whose compiled tokens are the single-process
+    eager plan's): ~80 s each."""
     runs = _torchrun(tmp_path / "collectives.json", models["llama"], "--fractions", "0.5",
-                     "--count-collectives")
+                     "--count-collectives", *options)
+    if options == DEFAULTS:
+        tokens, _ = _single(models["llama"], 0.5, "auto", latent_group=GROUP)
+        assert all(r["kind"] == "plain" and r["compressed"]["tokens"] == tokens for r in runs)
     for rank in runs:
         plain, compressed = rank["uncompressed"]["graphs"], rank["compressed"]["graphs"]
         decode = [g for g in compressed if g["input_ids"] == [[1, 1]]]
@@ -177,3 +187,30 @@ def test_compression_adds_no_collective_to_the_compiled_decode_graph(models, tmp
             assert before["received"], "transformers' row-parallel all-reduces were not seen"
             assert len(after["received"]) <= len(before["received"]), after["received"]
             assert len(after["handed_on"]) <= len(before["handed_on"]), after["handed_on"]
+
+
+@pytest.fixture(scope="module")
+def quantized(models, tmp_path_factory) -> list[dict]:
+    """What each process saw compressing the tiny Llama at 0.5 with the default options."""
+    out = tmp_path_factory.mktemp("tp_quantized") / "llama.json"
+    return _torchrun(out, models["llama"], "--fractions", "0.5", *DEFAULTS)
+
+
+def test_default_options_quantize_each_process_own_heads(models, quantized):
+    """With the default options the bit-width search runs under tensor parallelism too: on
+    this tiny model plain 8-bit KV quantization measures within noise of the full cache, so
+    each process stores its own heads' keys and values as codes (a plain plan's shard is the
+    identity on its own dims: no basis). Tokens equal the single-process plan's with
+    ``shards=2``; the bytes each cache's tensors hold equal the plan's per-shard figure."""
+    tokens, report = _single(models["llama"], 0.5, "auto", latent_group=GROUP)
+    assert (report.plan.kind, report.plan.options.latent_bits) == ("plain", 8)
+    for rank in quantized:
+        seen = rank["fractions"]["0.5"]
+        assert (seen["kind"], seen["latent_bits"], seen["shards"]) == ("plain", 8, WORLD)
+        assert seen["tokens"] == tokens
+        assert tuple(seen["bytes_per_token"]) == report.cache_bytes_per_token()
+        whole_full, whole_kept = seen["bytes_per_token"]
+        shard_full, shard_kept = seen["bytes_per_token_per_shard"]
+        assert (shard_full, shard_kept) == (whole_full // WORLD, whole_kept / WORLD)
+        assert seen["cached_tokens"] == GROUP
+        assert seen["cache_bytes"] == shard_kept * GROUP < shard_full * GROUP

@@ -12,7 +12,7 @@ import logging
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 import lorc_fx
 from lorc_fx.plan.options import CalibrationOptions
@@ -21,6 +21,12 @@ from lorc_fx.plan.options import CalibrationOptions
 CALIBRATION = CalibrationOptions(tokens=512, window=64, seed=11)
 PROMPT = [[1, 5, 9, 14, 20, 7, 30]]
 NEW_TOKENS = 10
+
+
+def load(directory: str):
+    """The model in ``directory``, tensor-parallel over this process group's processes."""
+    return AutoModelForCausalLM.from_pretrained(
+        directory, distributed_config=DistributedConfig(tp_plan="auto")).eval()
 
 
 def generate(model) -> tuple[list[int], int, int]:
@@ -33,6 +39,8 @@ def generate(model) -> tuple[list[int], int, int]:
 
 
 def compress(model, fraction: float, basis: str, **kwargs):
+    """``basis`` "weight" plans low rank from the weights alone (no bit-width search);
+    "auto" is the default options, with the small ``CALIBRATION``."""
     calibration = {} if basis == "weight" else {"calibration": CALIBRATION}
     return lorc_fx.compress(model, cache_fraction=fraction, basis=basis, **calibration, **kwargs)
 
@@ -73,16 +81,17 @@ class CountingBackend:
         return compiled
 
 
-def count_collectives(directory: str, fraction: float) -> dict:
+def count_collectives(directory: str, fraction: float, basis: str, **options) -> dict:
     """Generate with ``forward`` compiled: uncompressed with Inductor, then compressed at
     ``fraction`` with ``lorc_backend``, recording each compiled graph's collectives."""
     from torch._inductor.compile_fx import compile_fx
-    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval()
+    model = load(directory)
     result = {}
     for name, backend in (("uncompressed", CountingBackend(compile_fx)),
                           ("compressed", CountingBackend(lorc_fx.lorc_backend))):
         if name == "compressed":
-            compress(model, fraction, "weight")  # on the plain forward: it traces the model
+            report = compress(model, fraction, basis, **options)  # on the plain forward
+            result["kind"] = report.plan.kind
         torch._dynamo.reset()
         model.forward = torch.compile(model.forward, backend=backend)
         result[name] = {"tokens": generate(model)[0], "graphs": backend.graphs}
@@ -90,16 +99,17 @@ def count_collectives(directory: str, fraction: float) -> dict:
     return result
 
 
-def run(directory: str, fractions: list[float], compiled: bool, basis: str) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval()
+def run(directory: str, fractions: list[float], compiled: bool, basis: str, **options) -> dict:
+    model = load(directory)
     result = {"uncompressed": generate(model)[0], "fractions": {}}
     for fraction in fractions:
-        report = compress(model, fraction, basis)
+        report = compress(model, fraction, basis, **options)
         tokens, held, cached = generate(model)
         entry = {"tokens": tokens, "cache_bytes": held, "cached_tokens": cached,
                  "bytes_per_token": report.cache_bytes_per_token(),
                  "bytes_per_token_per_shard": report.cache_bytes_per_token_per_shard(),
                  "ranks": [(l.k_rank, l.v_rank) for l in report.plan.layers],
+                 "kind": report.plan.kind, "latent_bits": report.plan.options.latent_bits,
                  "shards": report.plan.options.shards, "report": str(report)}
         if compiled:
             model.compile(backend=lorc_fx.lorc_backend)
@@ -116,12 +126,15 @@ def main():
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--basis", default="weight")
     parser.add_argument("--count-collectives", action="store_true")
+    parser.add_argument("--latent-group", type=int, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    mine = (count_collectives(args.model, args.fractions[0]) if args.count_collectives
-            else run(args.model, args.fractions, args.compile, args.basis))
+    options = {} if args.latent_group is None else {"latent_group": args.latent_group}
+    mine = (count_collectives(args.model, args.fractions[0], args.basis, **options)
+            if args.count_collectives
+            else run(args.model, args.fractions, args.compile, args.basis, **options))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from lorc_fx.analysis.records import RopeLayout
 from lorc_fx.plan.options import PlanOptions
-from lorc_fx.plan.planner import plan_layers
+from lorc_fx.plan.planner import plain_quantized_plan, plan_layers
 from lorc_fx.plan.spectra import block_diagonal, real_spectrum
 
 from helpers.plan_inputs import random_layers
@@ -57,6 +57,22 @@ def test_one_shard_is_the_unsharded_plan():
     assert [l.k_basis.shape for l in one.layers] == [l.k_basis.shape for l in two.layers]
     # the per-shard basis keeps less of the whole spectrum than the unconstrained one
     assert sum(l.k_energy_kept for l in two.layers) <= sum(l.k_energy_kept for l in one.layers) + 1e-9
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_a_plain_plans_shard_is_the_identity_on_its_own_dims(shards):
+    """Plain KV quantization has no basis: each shard's plan keeps its heads' keys and values
+    as they are, in their own order, so its codes group exactly as the whole model's do."""
+    plan = plain_quantized_plan(_sharded(5, shards, 4, ROPES[1]),
+                                PlanOptions(cache_fraction=0.5, latent_bits=8, shards=shards))
+    for s in range(shards):
+        local = plan.local(s)
+        assert local.bits_per_value == pytest.approx(plan.bits_per_value)
+        for part in local.layers:
+            width = part.k_full
+            assert width == 4 * 8 // shards and part.k_rank == width
+            for matrix in (part.k_basis, part.v_basis, part.k_rebuild, part.v_rebuild):
+                assert torch.equal(matrix, torch.eye(width, dtype=matrix.dtype))
 
 
 def test_block_diagonal_spectrum_cuts_and_energy():
