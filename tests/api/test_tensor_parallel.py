@@ -193,7 +193,7 @@ def test_compression_adds_no_collective_to_the_compiled_decode_graph(models, tmp
 def quantized(models, tmp_path_factory) -> list[dict]:
     """What each process saw compressing the tiny Llama at 0.5 with the default options."""
     out = tmp_path_factory.mktemp("tp_quantized") / "llama.json"
-    return _torchrun(out, models["llama"], "--fractions", "0.5", *DEFAULTS)
+    return _torchrun(out, models["llama"], "--fractions", "0.5", *DEFAULTS, "--other-caches")
 
 
 def test_default_options_quantize_each_process_own_heads(models, quantized):
@@ -201,7 +201,8 @@ def test_default_options_quantize_each_process_own_heads(models, quantized):
     this tiny model plain 8-bit KV quantization measures within noise of the full cache, so
     each process stores its own heads' keys and values as codes (a plain plan's shard is the
     identity on its own dims: no basis). Tokens equal the single-process plan's with
-    ``shards=2``; the bytes each cache's tensors hold equal the plan's per-shard figure."""
+    ``shards=2``; the bytes each cache's tensors hold equal the plan's per-shard figure; a
+    static cache and the plan saved by rank 0 and installed again give the same tokens."""
     tokens, report = _single(models["llama"], 0.5, "auto", latent_group=GROUP)
     assert (report.plan.kind, report.plan.options.latent_bits) == ("plain", 8)
     for rank in quantized:
@@ -214,3 +215,6 @@ def test_default_options_quantize_each_process_own_heads(models, quantized):
         assert (shard_full, shard_kept) == (whole_full // WORLD, whole_kept / WORLD)
         assert seen["cached_tokens"] == GROUP
         assert seen["cache_bytes"] == shard_kept * GROUP < shard_full * GROUP
+        # a static cache quantizes the same way; a saved whole plan installs on each process
+        assert seen["static_layers"] == ["QuantizedLatentStaticLayer"]
+        assert seen["static_tokens"] == seen["saved_plan_tokens"] == tokens

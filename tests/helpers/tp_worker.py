@@ -2,13 +2,14 @@
 a model directory with ``tp_plan="auto"``, generates greedily uncompressed and then
 compressed at each fraction (``--basis``, default "weight"), and rank 0 writes what every rank saw to a
 JSON file (``--count-collectives``: the collectives in each graph torch.compile hands the
-backend instead). ``tests/api/test_tensor_parallel.py`` compares it with single-process runs.
+backend instead; ``--other-caches``: a static cache and a saved plan too). ``tests/api/test_tensor_parallel.py`` compares it with single-process runs.
 (One model per launch: a second ``tp_plan`` model loaded in the same processes hung.)"""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -29,10 +30,10 @@ def load(directory: str):
         directory, distributed_config=DistributedConfig(tp_plan="auto")).eval()
 
 
-def generate(model) -> tuple[list[int], int, int]:
+def generate(model, **kwargs) -> tuple[list[int], int, int]:
     """(tokens, bytes the cache's tensors hold, tokens cached)."""
     out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         return_dict_in_generate=True)
+                         return_dict_in_generate=True, **kwargs)
     cache = out.past_key_values
     held = cache.cache_bytes() if hasattr(cache, "cache_bytes") else None
     return out.sequences[0].tolist(), held, cache.get_seq_length()
@@ -99,7 +100,23 @@ def count_collectives(directory: str, fraction: float, basis: str, **options) ->
     return result
 
 
-def run(directory: str, fractions: list[float], compiled: bool, basis: str, **options) -> dict:
+def other_caches_seen(model, report, out_dir: str) -> dict:
+    """Tokens (and cache layer types) of a static cache, and tokens after installing the
+    whole plan again from a file rank 0 saved."""
+    static = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
+                            return_dict_in_generate=True, cache_implementation="static")
+    path = f"{out_dir}/plan.json"
+    if dist.get_rank() == 0:
+        report.save(path)
+    dist.barrier()
+    lorc_fx.compress(model, plan=path)
+    return {"static_tokens": static.sequences[0].tolist(),
+            "static_layers": sorted({type(l).__name__ for l in static.past_key_values.layers}),
+            "saved_plan_tokens": generate(model)[0]}
+
+
+def run(directory: str, fractions: list[float], compiled: bool, basis: str,
+        other_caches: bool = False, out_dir: str = ".", **options) -> dict:
     model = load(directory)
     result = {"uncompressed": generate(model)[0], "fractions": {}}
     for fraction in fractions:
@@ -111,6 +128,8 @@ def run(directory: str, fractions: list[float], compiled: bool, basis: str, **op
                  "ranks": [(l.k_rank, l.v_rank) for l in report.plan.layers],
                  "kind": report.plan.kind, "latent_bits": report.plan.options.latent_bits,
                  "shards": report.plan.options.shards, "report": str(report)}
+        if other_caches:
+            entry.update(other_caches_seen(model, report, out_dir))
         if compiled:
             model.compile(backend=lorc_fx.lorc_backend)
             entry["compiled_tokens"] = generate(model)[0]
@@ -127,6 +146,8 @@ def main():
     parser.add_argument("--basis", default="weight")
     parser.add_argument("--count-collectives", action="store_true")
     parser.add_argument("--latent-group", type=int, default=None)
+    parser.add_argument("--other-caches", action="store_true",
+                        help="also a static cache and the plan saved and installed again")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     dist.init_process_group("gloo")
@@ -134,7 +155,8 @@ def main():
     options = {} if args.latent_group is None else {"latent_group": args.latent_group}
     mine = (count_collectives(args.model, args.fractions[0], args.basis, **options)
             if args.count_collectives
-            else run(args.model, args.fractions, args.compile, args.basis, **options))
+            else run(args.model, args.fractions, args.compile, args.basis, args.other_caches,
+                     os.path.dirname(os.path.abspath(args.out)), **options))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
