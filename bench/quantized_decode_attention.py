@@ -76,7 +76,7 @@ def side(x: torch.Tensor, spec: QuantSpec):
     axis = -2 if spec.axis % 4 == 2 else -1
     # contiguous, as the layer's stores are (quantize itself may leave 8-bit codes token-major)
     codes = (q.payload.contiguous(), q.scale.contiguous(), q.zero.contiguous(), spec.bits,
-             spec.group, axis, quantized, x.shape[3])
+             spec.group, axis, quantized, x.shape[3], x.dtype)
     window = torch.cat([x[:, :, quantized:], spare[:, :, :SPARE_ROWS]], dim=2)
     return codes, window, x.shape[2]
 
