@@ -303,8 +303,11 @@ def _local_layer(layer: LayerPlan, index: int, count: int, interleaved: bool) ->
     ``s``'s ``j``-th); a plain plan's identity keeps them in the dims' own order, so its shard
     is the identity again and its codes group exactly as the whole model's do."""
     k_w, v_w = layer.k_full // count, layer.v_full // count
-    own = lambda t, w: (t[index::count] if interleaved else t[index * w:(index + 1) * w])
-    rows = lambda t, w: own(t, w)[:, index * w:(index + 1) * w]
+
+    def rows(t: torch.Tensor, w: int) -> torch.Tensor:
+        own = t[index::count] if interleaved else t[index * w:(index + 1) * w]
+        return own[:, index * w:(index + 1) * w]
+
     return replace(layer, k_full=k_w, v_full=v_w, k_rank=layer.k_rank // count,
                    v_rank=layer.v_rank // count, num_heads=layer.num_heads // count,
                    num_kv_heads=layer.num_kv_heads // count,
