@@ -219,38 +219,6 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     return torch.where(near < x if up else near > x, stepped, near)
 
 
-def zero_and_scale(lo: torch.Tensor, hi: torch.Tensor, levels: int,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(zero, scale) of groups spanning ``[lo, hi]`` with ``levels`` steps, rounded outward
-    to ``dtype`` (:func:`round_to`), as float32; a constant group (every element equals
-    zero) gets scale 1. Traced, one opaque op (``lorc::zero_and_scale``)."""
-    if torch.compiler.is_compiling():
-        return _zero_and_scale_op(lo, hi, levels, dtype)
-    return _zero_and_scale(lo, hi, levels, dtype)
-
-
-def _zero_and_scale(lo, hi, levels: int, dtype: torch.dtype):
-    zero = round_to(lo, dtype, up=False)
-    scale = round_to((hi - zero) / levels, dtype, up=True)
-    return zero, torch.where(scale > 0, scale, torch.ones_like(scale))
-
-
-@torch.library.custom_op("lorc::zero_and_scale", mutates_args=())
-def _zero_and_scale_op(lo: torch.Tensor, hi: torch.Tensor, levels: int,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inductor would inline the bit-level rounding (int16 bit casts, which its C++
-    vectorizer does not take) into the loop over every element of a group, recomputing it
-    per element in a scalar loop: 11 ms per layer for 4096 keys of the default model, most
-    of a compiled prefill's quantizing time. Behind this op the codes' loop reads a stored
-    zero and scale and vectorizes (3.3 ms; values 8.2 → 0.7 ms)."""
-    return _zero_and_scale(lo, hi, levels, dtype)
-
-
-@_zero_and_scale_op.register_fake
-def _(lo, hi, levels, dtype):
-    return torch.empty_like(lo), torch.empty_like(lo)
-
-
 def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``x`` with the grouped axis last, padded (edge value) to whole groups and split:
     ``(..., groups, group)``."""
@@ -275,9 +243,12 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
     checked = not torch.compiler.is_compiling()  # a traced graph has no data-dependent branch
     if checked and not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         raise ValueError("quantize takes finite values")
-    zero, scale = zero_and_scale(lo, hi, levels, scale_dtype)
+    zero = round_to(lo, scale_dtype, up=False)
+    scale = round_to((hi - zero) / levels, scale_dtype, up=True)
     if checked and not bool(torch.isfinite(zero).all() and torch.isfinite(scale).all()):
         raise OverflowError(f"the groups' ranges do not fit scale_dtype {scale_dtype}")
+    # an exactly constant group: every element equals zero, any scale works
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((g - zero[..., None]) / scale[..., None]).clamp_(0, levels)
     payload = pack_bits(codes.to(torch.uint8), spec.bits)
     return QuantizedTensor(payload, scale.to(scale_dtype), zero.to(scale_dtype), spec,

@@ -163,16 +163,3 @@ def test_invalid_specs_and_inputs():
         quantize(torch.tensor([[-1e6, 0.0]]), QuantSpec(8, 2, -1, torch.float16))
     with pytest.raises(ValueError):
         QuantSpec(16).bytes_per_value()
-
-
-@pytest.mark.parametrize("bits, axis", [(8, -2), (4, -1)])
-def test_compiled_quantize_is_eager_quantize_bit_for_bit(bits, axis):
-    """Under Inductor the groups' zero and scale are one opaque op (``lorc::zero_and_scale``,
-    so the codes' loop vectorizes instead of redoing the 16-bit rounding per element): the
-    codes, scales and zero points are still eager's, bit for bit."""
-    x = torch.randn(2, 3, 200, 64, generator=torch.Generator().manual_seed(bits)) * 3
-    spec = QuantSpec(bits, 64, axis, torch.float16)
-    parts = lambda q: (q.payload, q.scale, q.zero)
-    compiled = torch.compile(lambda x: parts(quantize(x, spec)), fullgraph=True)
-    for got, want in zip(compiled(x), parts(quantize(x, spec))):
-        assert got.dtype == want.dtype and torch.equal(got, want)
