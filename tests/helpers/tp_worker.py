@@ -1,8 +1,9 @@
 """One tensor-parallel process (run under ``torchrun --nproc-per-node N``, gloo, CPU): loads
 a model directory with ``tp_plan="auto"``, generates greedily uncompressed and then
-compressed at each fraction (``--basis``, default "weight"), and rank 0 writes what every rank saw to a
-JSON file (``--count-collectives``: the collectives in each graph torch.compile hands the
-backend instead; ``--other-caches``: a static cache and a saved plan too). ``tests/api/test_tensor_parallel.py`` compares it with single-process runs.
+compressed at each fraction (``--basis``, default "weight"), and rank 0 writes what every
+rank saw to a JSON file (``--count-collectives``: the collectives in each graph
+torch.compile hands the backend instead; ``--other-caches``: a static cache and a saved plan
+too). ``tests/api/test_tensor_parallel.py`` compares it with single-process runs.
 (One model per launch: a second ``tp_plan`` model loaded in the same processes hung.)"""
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def load(directory: str):
         directory, distributed_config=DistributedConfig(tp_plan="auto")).eval()
 
 
-def generate(model, **kwargs) -> tuple[list[int], int, int]:
+def generate(model) -> tuple[list[int], int, int]:
     """(tokens, bytes the cache's tensors hold, tokens cached)."""
     out = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
-                         return_dict_in_generate=True, **kwargs)
+                         return_dict_in_generate=True)
     cache = out.past_key_values
     held = cache.cache_bytes() if hasattr(cache, "cache_bytes") else None
     return out.sequences[0].tolist(), held, cache.get_seq_length()
