@@ -219,6 +219,16 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     return torch.where(near < x if up else near > x, stepped, near)
 
 
+def zero_and_scale(lo: torch.Tensor, hi: torch.Tensor, levels: int,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zero point, scale) as float32 of groups spanning ``[lo, hi]`` in ``levels`` steps,
+    rounded outward to ``dtype`` (:func:`round_to`); an exactly constant group (every element
+    equals its zero point) gets scale 1, as any scale works there."""
+    zero = round_to(lo, dtype, up=False)
+    scale = round_to((hi - zero) / levels, dtype, up=True)
+    return zero, torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``x`` with the grouped axis last, padded (edge value) to whole groups and split:
     ``(..., groups, group)``."""
@@ -243,12 +253,9 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
     checked = not torch.compiler.is_compiling()  # a traced graph has no data-dependent branch
     if checked and not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         raise ValueError("quantize takes finite values")
-    zero = round_to(lo, scale_dtype, up=False)
-    scale = round_to((hi - zero) / levels, scale_dtype, up=True)
+    zero, scale = zero_and_scale(lo, hi, levels, scale_dtype)
     if checked and not bool(torch.isfinite(zero).all() and torch.isfinite(scale).all()):
         raise OverflowError(f"the groups' ranges do not fit scale_dtype {scale_dtype}")
-    # an exactly constant group: every element equals zero, any scale works
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((g - zero[..., None]) / scale[..., None]).clamp_(0, levels)
     payload = pack_bits(codes.to(torch.uint8), spec.bits)
     return QuantizedTensor(payload, scale.to(scale_dtype), zero.to(scale_dtype), spec,

@@ -45,7 +45,7 @@ import torch
 
 from .latent_ops import dequantized
 from .layers import LatentCodec, LatentStaticLayer
-from .quantize import QuantizedTensor, QuantSpec, pack_bits, round_to
+from .quantize import QuantizedTensor, QuantSpec, pack_bits, zero_and_scale
 
 
 def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpec,
@@ -61,9 +61,7 @@ def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpe
         some = valid.any(-1)
         lo = torch.where(some, torch.where(valid, x, math.inf).amin(-1), 0.0)
         hi = torch.where(some, torch.where(valid, x, -math.inf).amax(-1), 0.0)
-    zero = round_to(lo, scale_dtype, up=False)
-    scale = round_to((hi - zero) / levels, scale_dtype, up=True)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero, scale = zero_and_scale(lo, hi, levels, scale_dtype)
     codes = torch.round((x - zero[..., None]) / scale[..., None]).clamp_(0, levels)
     return pack_bits(codes.to(torch.uint8), spec.bits), scale.to(scale_dtype), zero.to(scale_dtype)
 
