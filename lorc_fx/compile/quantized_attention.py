@@ -34,6 +34,10 @@ Scores are materialised ``(b, h, t, positions)``: for decode steps (a few query 
 prefill. A query row whose every key is masked gets zeros, as SDPA's math backend gives.
 Codes are read and reduced in float32 (the scales' dtype rounds nothing more); the output is
 in the query's dtype.
+
+Written for Inductor's C++ loops, as measured (docs/design.md, "what Inductor makes of the
+decode loops"): long sums add chunks (``_sum``), what the code reductions read once per code
+is stored first (``_stored``), and the softmax is written out so its sum is chunked too.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from .latent_attention import head_blocks, rotary_scores
 
 FUSED_BITS = (8, 4, 2)  # code widths whose bytes unpack by shifts alone
 KEY_AXES, VALUE_AXES = (-2,), (-2, -1)  # keys per channel; values per channel or per token
+SUM_CHUNK = 256  # tokens a long sum adds up before adding up the chunks (``_sum``)
 
 
 def quantized_latent_attention(query, k_side, v_side, k_basis, v_basis, num_kv_heads: int,
@@ -159,7 +164,7 @@ class _Positions:
             picked = self.spread(attn_mask, -1)
             scores = (scores.masked_fill(~picked, float("-inf")) if picked.dtype == torch.bool
                       else scores + picked)
-        return torch._safe_softmax(scores.masked_fill(~self.held(), float("-inf")), dim=-1)
+        return _safe_softmax(scores.masked_fill(~self.held(), float("-inf")))
 
     def weights_for(self, other: "_Positions", probs):
         """``probs (..., positions)`` over this side's positions as weights over ``other``'s:
@@ -177,10 +182,51 @@ class _Positions:
         ``(b, hk, m, width)``."""
         if self.codes is None:
             return p @ self.window.to(p.dtype)
+        p = _stored(p, -2)  # the short axis (query heads × tokens)
         out = _code_sums(p[..., :self.slots], *self.codes)
         if self.window is not None:
             out = out + p[..., self.slots:] @ self.window.to(p.dtype)
         return out
+
+
+def _sum(x, dim: int):
+    """``x.sum(dim)``, over a long axis of static length in two steps: whole chunks of
+    ``SUM_CHUNK``, then the chunks and the rest. Inductor's C++ backend gives a float sum over
+    more than 4096 elements of static length a cascade-summation helper
+    (``need_use_acc_helper``) whose bookkeeping in the inner loop made a decode step's
+    weighted sum of 8k tokens of per-token codes 3.6× slower (1.26 → 0.35 ms,
+    ``bench/quantized_decode_attention.py``'s shape). The rest is summed apart rather than
+    padded: a padded chunk puts a masked load in the innermost loop. A symbolic length gets
+    no helper and is summed as it is."""
+    dim %= x.dim()
+    n = x.shape[dim]
+    if not isinstance(n, int) or n <= SUM_CHUNK:
+        return x.sum(dim)
+    whole = n - n % SUM_CHUNK
+    chunks = x.narrow(dim, 0, whole).unflatten(dim, (-1, SUM_CHUNK)).sum(dim + 1).sum(dim)
+    return chunks + x.narrow(dim, whole, n - whole).sum(dim) if whole < n else chunks
+
+
+def _stored(x, dim: int = -1):
+    """``x`` exactly, as the output of a matrix product by the identity along ``dim``:
+    Inductor writes a product's output to memory, so the reductions that read ``x`` once per
+    code load it there. Without it Inductor inlines whatever computed ``x`` into their
+    innermost loop: a decode step's query came with its RoPE, a ``cos`` and a ``sin`` per
+    code read, which made the scores over 8k tokens of int8 keys 3× slower (3.47 → 1.16 ms
+    per layer, ``bench/quantized_decode_attention.py``'s shape); the weights of a value sum
+    came with the softmax and the gather from key to value positions. Exact: every other
+    term of each sum is a product by zero."""
+    eye = torch.eye(x.shape[dim], dtype=x.dtype, device=x.device)
+    return (x.transpose(dim, -1) @ eye).transpose(dim, -1)
+
+
+def _safe_softmax(scores):
+    """``torch._safe_softmax(scores, -1)`` (a row of ``-inf`` gets zeros) with its sum by
+    ``_sum``."""
+    top = scores.amax(-1, keepdim=True)
+    exp = torch.exp(scores - torch.where(top == float("-inf"), 0.0, top))
+    total = _sum(exp, -1).unsqueeze(-1)
+    return torch.where(total > 0, exp / total, 0.0)
 
 
 def _unpacked(payload, bits: int):
@@ -198,7 +244,7 @@ def _code_scores(q, payload, scale, zero, bits: int, group: int, axis: int, leng
     """``q (b, hk, m, width)`` against every slot of per-channel codes:
     ``Σ_c (q_c·scale_c)·code_c + Σ_c q_c·zero_c``, ``(b, hk, m, slots)``."""
     codes = _unpacked(payload, bits)  # (b, hk, width, groups, per, bytes)
-    q = q[..., None].float()  # (b, hk, m, width, 1)
+    q = _stored(q.float())[..., None]  # (b, hk, m, width, 1)
     by_scale = q * scale.unsqueeze(2).float()  # (b, hk, m, width, groups)
     by_zero = (q * zero.unsqueeze(2).float()).sum(-2)  # (b, hk, m, groups)
     scores = (by_scale[..., None, None] * codes.unsqueeze(2)).sum(3) + by_zero[..., None, None]
@@ -226,6 +272,6 @@ def _code_sums(p, payload, scale, zero, bits: int, group: int, axis: int, length
         return (by_code * scale.unsqueeze(2).float() + per_group * zero.unsqueeze(2).float()).sum(-1)
     # per token: (b, hk, tokens, channel groups, per, bytes) along the channels
     by_scale = p[..., None] * scale.unsqueeze(2).float()  # (b, hk, m, tokens, channel groups)
-    out = (by_scale[..., None, None] * codes.unsqueeze(2)).sum(3)  # (b, hk, m, groups, per, bytes)
-    by_zero = (p[..., None] * zero.unsqueeze(2).float()).sum(3)  # (b, hk, m, channel groups)
+    out = _sum(by_scale[..., None, None] * codes.unsqueeze(2), 3)  # (b, hk, m, groups, per, bytes)
+    by_zero = _sum(p[..., None] * zero.unsqueeze(2).float(), 3)  # (b, hk, m, channel groups)
     return (out + by_zero[..., None, None]).flatten(-3)[..., :width]

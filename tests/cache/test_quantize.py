@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from lorc_fx.cache.quantize import (QuantSpec, dequantize, pack_bits, pack_int4, quantize,
-                              unpack_bits, unpack_int4)
+                                    round_to, unpack_bits, unpack_int4)
 
 QUANT_BITS = (2, 3, 4, 8)
 
@@ -150,6 +150,36 @@ def test_constant_and_exactly_representable_groups():
     assert torch.equal(dequantize(quantize(x, QuantSpec(2, 64))), x)
     codes = torch.arange(16.0).repeat(4, 4)  # integers 0..15: exact at 4 bits
     assert torch.equal(dequantize(quantize(codes, QuantSpec(4, 64, -1, torch.float16))), codes)
+
+
+def _directed_reference(x: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """The nearest ``dtype`` value at or past ``x`` in the direction, by its definition:
+    round to nearest, then one step by ``nextafter`` where that went the wrong way."""
+    near = x.to(dtype)
+    toward = torch.full_like(near, math.inf if up else -math.inf)
+    stepped = torch.nextafter(near, toward)
+    wrong = near.float() < x if up else near.float() > x
+    return torch.where(wrong, stepped, near).float()
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_round_to_is_the_nearest_value_in_the_direction(dtype):
+    info = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-30 if dtype == torch.float16 else -135, 16, (20000,),
+                              generator=gen).float()
+    x = (torch.rand(20000, generator=gen) + 1) * 2 ** exponents \
+        * torch.where(torch.rand(20000, generator=gen) < 0.5, -1.0, 1.0)
+    # zero, the dtype's own values, its smallest normal and subnormal, binade edges
+    edges = torch.tensor([0.0, info.tiny, info.smallest_normal * info.eps, 1.0, 2.0, 1024.0])
+    x = torch.cat([x, edges, -edges, x.to(dtype).float(), x.to(dtype).float().nextafter(
+        torch.tensor(math.inf))])
+    x = x[x.abs() <= info.max * (1 - info.eps)]
+    compiled = torch.compile(round_to, dynamic=False)
+    for up in (False, True):
+        expected = _directed_reference(x, dtype, up)
+        assert torch.equal(round_to(x, dtype, up), expected)
+        assert torch.equal(compiled(x, dtype, up), expected)
 
 
 def test_invalid_specs_and_inputs():

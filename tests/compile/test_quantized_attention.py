@@ -30,7 +30,7 @@ from lorc_fx.compile.backend import LorcBackend, lorc_backend
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
 from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
 from lorc_fx.compile.passes.absorb_latent_attention import absorb_latent_attention
-from lorc_fx.compile.quantized_attention import (quantized_kv_attention,
+from lorc_fx.compile.quantized_attention import (SUM_CHUNK, quantized_kv_attention,
                                                  quantized_latent_attention,
                                                  quantized_rotary_latent_attention)
 from lorc_fx.plan.options import PlanOptions
@@ -163,6 +163,25 @@ def run_and_get_kernels(fn, *inputs):
 
     out, code = run_and_get_code(lambda: compile_fx(make_fx(fn)(*inputs), list(inputs))(*inputs))
     return out, "\n".join(code)
+
+
+@pytest.mark.parametrize("tokens", [SUM_CHUNK + 1, 3 * SUM_CHUNK - 5])
+def test_long_contexts_sum_in_chunks_to_the_same_attention(tokens):
+    """Past ``SUM_CHUNK`` positions the softmax and the per-token value sums add up chunk
+    by chunk (``_sum``); a query row with every key masked still gets zeros."""
+    gen = torch.Generator().manual_seed(tokens)
+    layer = filled_layer(LatentCodec(None, None, 2), QuantSpec.per_channel(8, 8),
+                         QuantSpec.per_token(8, value_token_group(D, 8)), 2, 2, [tokens, 1, 1],
+                         gen)
+    keys, values = layer.latents()
+    q = torch.randn(2, 4, 3, D, generator=gen)
+    attn_mask = attention_mask("bool", 2, 3, keys.shape[-2], gen)
+    attn_mask[1, :, 2] = False
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
+                                              enable_gqa=True)
+    expected[1, :, 2] = 0.0
+    got = quantized_kv_attention(q, *sides(layer), attn_mask=attn_mask)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def float_buffers(code: str) -> list[int]:
