@@ -208,7 +208,8 @@ def _sum(x, dim: int):
 
 
 def _stored(x, dim: int = -1):
-    """``x`` exactly, as the output of a matrix product by the identity along ``dim``:
+    """``x`` exactly, as the output of a matrix product by the identity along ``dim`` (-1:
+    from the right, -2: from the left, so the output keeps ``x``'s layout):
     Inductor writes a product's output to memory, so the reductions that read ``x`` once per
     code load it there. Without it Inductor inlines whatever computed ``x`` into their
     innermost loop: a decode step's query came with its RoPE, a ``cos`` and a ``sin`` per
@@ -217,7 +218,7 @@ def _stored(x, dim: int = -1):
     came with the softmax and the gather from key to value positions. Exact: every other
     term of each sum is a product by zero."""
     eye = torch.eye(x.shape[dim], dtype=x.dtype, device=x.device)
-    return (x.transpose(dim, -1) @ eye).transpose(dim, -1)
+    return x @ eye if dim in (-1, x.dim() - 1) else eye @ x
 
 
 def _safe_softmax(scores):
