@@ -217,8 +217,11 @@ def _stored(x, dim: int = -1):
     per layer, ``bench/quantized_decode_attention.py``'s shape); the weights of a value sum
     came with the softmax and the gather from key to value positions. Exact: every other
     term of each sum is a product by zero."""
+    dim %= x.dim()
+    if dim < x.dim() - 2:
+        raise ValueError(f"_stored multiplies along one of the last two dims, not dim {dim}")
     eye = torch.eye(x.shape[dim], dtype=x.dtype, device=x.device)
-    return x @ eye if dim in (-1, x.dim() - 1) else eye @ x
+    return x @ eye if dim == x.dim() - 1 else eye @ x
 
 
 def _safe_softmax(scores):
