@@ -231,6 +231,17 @@ def zero_and_scale(lo: torch.Tensor, hi: torch.Tensor, levels: int,
     return zero, torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def quantize_groups(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int,
+                    scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed ``bits``-bit codes, scales and zero points (in ``scale_dtype``) of the float32
+    groups ``g (..., groups, group)``, each spanning ``[lo, hi]``: the arithmetic every
+    quantized tensor and cache here shares, so their codes agree bit for bit."""
+    levels = (1 << bits) - 1
+    zero, scale = zero_and_scale(lo, hi, levels, scale_dtype)
+    codes = torch.round((g - zero[..., None]) / scale[..., None]).clamp_(0, levels)
+    return pack_bits(codes.to(torch.uint8), bits), scale.to(scale_dtype), zero.to(scale_dtype)
+
+
 def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``x`` with the grouped axis last, padded (edge value) to whole groups and split:
     ``(..., groups, group)``."""
@@ -250,19 +261,14 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
         return QuantizedTensor(x, None, None, spec, tuple(x.shape), x.dtype)
     scale_dtype = spec.scale_dtype or x.dtype
     g = _grouped(x, spec).float()
-    levels = (1 << spec.bits) - 1
     lo, hi = g.amin(-1), g.amax(-1)
     checked = not torch.compiler.is_compiling()  # a traced graph has no data-dependent branch
     if checked and not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
         raise ValueError("quantize takes finite values")
-    zero, scale = zero_and_scale(lo, hi, levels, scale_dtype)
-    stored_zero, stored_scale = zero.to(scale_dtype), scale.to(scale_dtype)
-    if checked and not bool(torch.isfinite(stored_zero).all()
-                            and torch.isfinite(stored_scale).all()):
+    payload, scale, zero = quantize_groups(g, lo, hi, spec.bits, scale_dtype)
+    if checked and not bool(torch.isfinite(zero).all() and torch.isfinite(scale).all()):
         raise OverflowError(f"the groups' ranges do not fit scale_dtype {scale_dtype}")
-    codes = torch.round((g - zero[..., None]) / scale[..., None]).clamp_(0, levels)
-    payload = pack_bits(codes.to(torch.uint8), spec.bits)
-    return QuantizedTensor(payload, stored_scale, stored_zero, spec, tuple(x.shape), x.dtype)
+    return QuantizedTensor(payload, scale, zero, spec, tuple(x.shape), x.dtype)
 
 
 def dequantize(q: QuantizedTensor) -> torch.Tensor:

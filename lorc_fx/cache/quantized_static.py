@@ -45,7 +45,7 @@ import torch
 
 from .latent_ops import dequantized
 from .layers import LatentCodec, LatentStaticLayer
-from .quantize import QuantizedTensor, QuantSpec, pack_bits, zero_and_scale
+from .quantize import QuantizedTensor, QuantSpec, quantize_groups
 
 
 def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpec,
@@ -53,7 +53,6 @@ def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpe
     """Codes, scales and zero points of the groups ``x (..., groups, group)``, each over its
     ``valid`` elements only (``None``: all; a group with none gets zero and scale 1), by
     ``quantize.quantize``'s arithmetic: on whole groups its results, bit for bit."""
-    levels = (1 << spec.bits) - 1
     x = x.float()
     if valid is None:
         lo, hi = x.amin(-1), x.amax(-1)
@@ -61,9 +60,7 @@ def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpe
         some = valid.any(-1)
         lo = torch.where(some, torch.where(valid, x, math.inf).amin(-1), 0.0)
         hi = torch.where(some, torch.where(valid, x, -math.inf).amax(-1), 0.0)
-    zero, scale = zero_and_scale(lo, hi, levels, scale_dtype)
-    codes = torch.round((x - zero[..., None]) / scale[..., None]).clamp_(0, levels)
-    return pack_bits(codes.to(torch.uint8), spec.bits), scale.to(scale_dtype), zero.to(scale_dtype)
+    return quantize_groups(x, lo, hi, spec.bits, scale_dtype)
 
 
 def _write_per_channel(codes: QuantizedTensor, window: torch.Tensor, states: torch.Tensor,
