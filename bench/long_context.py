@@ -510,7 +510,9 @@ def main() -> None:
     results = {_key(r): r for r in previous}
     variants = ([] if args.no_full else ["full"]) + args.rope.split(",")
     for batch in (int(b) for b in args.batches.split(",")):
-        for context in (int(c) for c in args.contexts.split(",")):
+        # a context past the model's positions runs (and is keyed) as the longest prompt it takes
+        for context in dict.fromkeys(min(int(c), MAX_POSITIONS - args.new_tokens)
+                                     for c in args.contexts.split(",")):
             for variant in variants:
                 record = _run_config(args, variant, context, batch)
                 results[_key(record)] = record
