@@ -38,7 +38,14 @@ def _torchrun(out: Path, model: str, *extra: str) -> list[dict]:
                                            os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
            "--standalone", str(WORKER), str(out), model, *extra]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    for _ in range(2):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        # one more launch only for a process the C++ runtime aborted (seen once in CI:
+        # "terminate called without an active exception", never reproduced here); any other
+        # failure fails at once
+        if done.returncode == 0 or "(SIGABRT)" not in done.stderr:
+            break
+        print(f"torchrun: a process aborted (SIGABRT), launching again:\n{done.stderr[-2000:]}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
 
