@@ -166,7 +166,8 @@ def score(model, windows, cfgs, sink, batch_size=2):
 
 def variant(name, L=30):
     """name -> (per-layer Side list, sink). Syntax: tokens joined by '+':
-    base | vhad | kpre | k128 | v32 | sink1 | k8:<layer> | v8:<layer> | kg<N> | vg<N>"""
+    base | vhad | kpre | k128 | v32 | sink1 | k<bits>:<layers> | v<bits>:<layers> | kg<N> | vg<N>
+    (bits 2, 3, 4, 8 or 16; layers like 1.4.10-29)"""
     side, sink, over = Side(), 0, {}
     for t in name.split("+"):
         if t == "base":
@@ -183,10 +184,12 @@ def variant(name, L=30):
             sink = int(t[4:])
         elif t == "all16":
             side = replace(side, kbits=16, vbits=16)
-        elif re.fullmatch(r"(k|v|kv)(4|8|16):[0-9,]+", t):
+        elif re.fullmatch(r"(k|v|kv)(2|3|4|8|16):[0-9.\-]+", t):
             what, layers = t.split(":")
-            for l in layers.split(","):
-                over.setdefault(int(l), []).append(what)
+            for part in layers.split("."):
+                first, _, last = part.partition("-")
+                for l in range(int(first), int(last or first) + 1):
+                    over.setdefault(l, []).append(what)
         else:
             raise ValueError(t)
     cfgs = []
