@@ -1,0 +1,278 @@
+"""Bits per latent channel by reverse water-filling (issue #13's 2.56- and 1.92-bit points):
+an exploration, not wired into the planner. Results: bench/results/bit_waterfill-cpu.md.
+
+    OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 2.56,1.92 \
+        --widths 4 --widths 2.4.8 --key-shares 0.3,0.4,0.5 [--sets self_held,news,austen,poems]
+
+Today a plan stores each side's latent at one bit width and cuts its rank to fill the budget:
+channels are either kept at that width or dropped. The latent channels are the rows of a
+data-aware basis, most energy first, so this is transform coding, whose classical answer
+(reverse water-filling) is to give each channel bits according to its energy: ``b_c ≈
+b̄ + ½·log2(e_c / ē)``; dropping a channel is the 0-bit case. This script measures what
+per-channel widths would buy at a fixed byte budget, with the planner's own bases.
+
+Method. The default basis (``attention``, calibrated on self-sampled text, keys before RoPE:
+``rope='reconstruct'``) at full rank, every layer and side. A fake-quantizing cache (like
+bench/int4_variants.py: residual 0, every token quantized) takes each layer's keys back
+before RoPE, projects keys and values to the latents, quantizes channel ``c`` per channel
+over groups of ``G`` tokens at ``b_c`` bits (0: dropped), rebuilds and rotates back.
+
+Allocation. A channel's error at width ``b`` is modelled as ``e_c · ρ_c(b)``: ``e_c`` its
+spectrum energy (the error of dropping it, in the planner's one unit), ``ρ_c(b)`` its relative
+squared quantization error measured on the calibration sample (``ρ(0) = 1``). Its cost is
+``b + 32/G`` bits per token (codes, 16-bit scale and zero) for ``b > 0``. Greedy on each
+channel's lower convex hull of (cost, error) spends the budget where the error falls fastest.
+Keys and values get separate budgets (``--key-shares``: the keys' share of the latent bits):
+the planner's key energies misjudge how layers compare with values (plan/allocation.py).
+``--widths 4`` is the plan's own trade (4-bit latents, rank cut per layer): the control.
+
+Bits per value count everything: codes, 16-bit scales and zeros, and the RoPE angle log
+(64 16-bit values per token shared by all layers, +0.089), over 2·192·30 values per token.
+The key share and the widths are chosen on ``self_held`` (the planner's held-out windows);
+news, Austen and poems are evaluated only.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
+
+import lorc_fx  # noqa: E402
+from lorc_fx.api import _plan_inputs, checked_options  # noqa: E402
+from lorc_fx.cache.latent_ops import project_math, reconstruct_math  # noqa: E402
+from lorc_fx.cache.quantize import QuantSpec, dequantize, quantize  # noqa: E402
+from lorc_fx.cache.rotary import rotate  # noqa: E402
+from lorc_fx.eval.evaluate import evaluation_windows  # noqa: E402
+from lorc_fx.plan.planner import _key_spectrum, _value_spectrum  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from int4_variants import install_hooks, Ctx, self_sets  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "bit_waterfill-cpu.jsonl"
+FULL = Path(__file__).parent / "results" / "int4_variants_full-cpu.json"
+SCALE = torch.float16
+ANGLE_BITS = 64 * 16  # the RoPE angle log, bits per token
+WIDTHS = (2, 3, 4, 8)
+
+
+class Codec:
+    """One layer's full-rank bases, ``(192, 192)`` rows, most energy first."""
+
+    def __init__(self, k, v, heads, style):
+        self.kp, self.kb = k.rows.float(), (k.rows if k.rebuild_rows is None else k.rebuild_rows).float()
+        self.vp, self.vb = v.rows.float(), (v.rows if v.rebuild_rows is None else v.rebuild_rows).float()
+        self.heads, self.style = heads, style
+
+
+def fake_quantize(z, bits, group):
+    """``z (b, 1, s, r)``, each channel at ``bits[c]`` (0: dropped), per channel over groups of
+    ``group`` tokens; channels of one width share one call."""
+    out = torch.zeros_like(z)
+    for b in sorted(set(bits)):
+        if b == 0:
+            continue
+        idx = torch.tensor([c for c, w in enumerate(bits) if w == b])
+        part = z[..., idx]
+        if b < 16:
+            part = dequantize(quantize(part, QuantSpec.per_channel(b, group, SCALE)))
+        out[..., idx] = part
+    return out
+
+
+class WaterLayer(DynamicLayer):
+    """Scores one forward: the incoming keys/values through the fake-quantized latents
+    (``bits`` set), or, collecting, adds each channel's squared quantization error per
+    width to ``stats``."""
+
+    def __init__(self, idx, codec: Codec, bits=None, group=64, stats=None):
+        super().__init__()
+        self.idx, self.codec, self.bits, self.group, self.stats = idx, codec, bits, group, stats
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        c = self.codec
+        cos, sin = Ctx.cos[self.idx].to(key_states.dtype), Ctx.sin[self.idx].to(key_states.dtype)
+        zk = project_math(rotate(key_states, cos, sin, c.style, inverse=True), c.kp)
+        zv = project_math(value_states, c.vp)
+        if self.stats is not None:
+            for side, z in (("k", zk), ("v", zv)):
+                s = self.stats.setdefault((self.idx, side), {"power": 0.0})
+                s["power"] = s["power"] + (z.double() ** 2).sum((0, 1, 2))
+                for b in WIDTHS:
+                    err = dequantize(quantize(z, QuantSpec.per_channel(b, self.group, SCALE))) - z
+                    s[b] = s.get(b, 0.0) + (err.double() ** 2).sum((0, 1, 2))
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+        kb, vb = self.bits
+        keys = rotate(reconstruct_math(fake_quantize(zk, kb, self.group), c.kb, c.heads),
+                      cos, sin, c.style)
+        values = reconstruct_math(fake_quantize(zv, vb, self.group), c.vb, c.heads)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+class WaterCache(Cache):
+    def __init__(self, codecs, bits=None, group=64, stats=None):
+        super().__init__(layers=[WaterLayer(i, c, None if bits is None else bits[i], group, stats)
+                                 for i, c in enumerate(codecs)])
+
+
+def spectra(model, blocks):
+    options, inputs, _ = _plan_inputs(model, blocks, checked_options(1.0, rope="reconstruct"))
+    return ([_key_spectrum(l, options.rope) for l in inputs],
+            [_value_spectrum(l) for l in inputs])
+
+
+def allocate(energies, rho, budget, widths, group):
+    """Bits per channel of each entry of ``energies`` (a list of (r,) tensors) spending at most
+    ``budget`` bits per token: greedy over each channel's lower convex hull of (cost, error),
+    costs ``b + 32/group`` for ``b > 0``."""
+    over = 32 / group
+    hulls = []
+    for e, r in zip(energies, rho):
+        for c in range(len(e)):
+            pts = [(0.0, float(e[c]), 0)] + [(b + over, float(e[c] * r[b][c]), b) for b in widths]
+            hull = [pts[0]]
+            for p in sorted(pts[1:]):
+                if p[1] >= hull[-1][1]:
+                    continue
+                while len(hull) >= 2 and ((hull[-1][1] - p[1]) * (hull[-1][0] - hull[-2][0])
+                                          >= (hull[-2][1] - hull[-1][1]) * (p[0] - hull[-1][0])):
+                    hull.pop()
+                hull.append(p)
+            hulls.append(hull)
+    step = [0] * len(hulls)
+    heap = []
+
+    def push(i):
+        h, s = hulls[i], step[i]
+        if s + 1 < len(h):
+            gain = (h[s][1] - h[s + 1][1]) / (h[s + 1][0] - h[s][0])
+            heapq.heappush(heap, (-gain, i))
+
+    for i in range(len(hulls)):
+        push(i)
+    spent = 0.0
+    while heap:
+        _, i = heapq.heappop(heap)
+        h, s = hulls[i], step[i]
+        extra = h[s + 1][0] - h[s][0]
+        if spent + extra > budget + 1e-9:
+            continue  # this channel's next step does not fit; cheaper steps of others may
+        spent += extra
+        step[i] += 1
+        push(i)
+    flat = [hulls[i][step[i]][2] for i in range(len(hulls))]
+    out, at = [], 0
+    for e in energies:
+        out.append(flat[at:at + len(e)])
+        at += len(e)
+    return out, spent
+
+
+def plan_bits(k_spectra, v_spectra, stats, target, key_share, widths, group, values_per_token):
+    """Per layer (key bits, value bits) at ``target`` bits per value."""
+    layers = len(k_spectra)
+    budget = target * values_per_token - ANGLE_BITS
+    rho = {}
+    for (l, side), s in stats.items():
+        rho[(l, side)] = {b: (s[b] / s["power"].clamp_min(1e-30)).tolist() for b in WIDTHS}
+    kbits, kspent = allocate([s.energy for s in k_spectra], [rho[(l, "k")] for l in range(layers)],
+                             key_share * budget, widths, group)
+    vbits, vspent = allocate([s.energy for s in v_spectra], [rho[(l, "v")] for l in range(layers)],
+                             budget - kspent, widths, group)
+    bits = (kspent + vspent + ANGLE_BITS) / values_per_token
+    return list(zip(kbits, vbits)), bits
+
+
+@torch.no_grad()
+def score(model, windows, codecs, bits=None, group=64, stats=None, batch_size=2):
+    total, count, per = 0.0, 0, []
+    for batch in windows.split(batch_size):
+        kwargs = {"use_cache": False}
+        if codecs is not None:
+            kwargs = {"use_cache": True, "past_key_values": WaterCache(codecs, bits, group, stats)}
+        logits = model(batch, **kwargs).logits[:, :-1].float()
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
+        per += ce.mean(1).tolist()
+        total += float(ce.sum())
+        count += ce.numel()
+    return total / count, per
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bits", default="2.56,1.92")
+    ap.add_argument("--widths", action="append", help="allowed widths, e.g. 4 or 2.4.8")
+    ap.add_argument("--key-shares", default="0.3,0.4,0.5")
+    ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--sets", default="self_held")
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    model = lorc_fx.load_model("default")
+    tok = lorc_fx.load_tokenizer("default")
+    install_hooks(model)
+    blocks = lorc_fx.analyze(model)
+    ks, vs = spectra(model, blocks)
+    style = blocks[0].rope_k.style
+    heads = model.config.num_key_value_heads
+    codecs = [Codec(k, v, heads, style) for k, v in zip(ks, vs)]
+    values_per_token = sum(k.width + v.width for k, v in zip(ks, vs))
+    selfs = self_sets(model)
+    stats = {}
+    t = time.time()
+    score(model, selfs["self_calib"], codecs, None, args.group, stats)
+    print(f"quantization errors measured on the calibration sample ({time.time() - t:.0f}s)", flush=True)
+    sets = {n: selfs[n] if n.startswith("self") else
+            evaluation_windows(tok, lorc_fx.load_text(n), args.tokens, 512)
+            for n in args.sets.split(",")}
+    full = json.loads(FULL.read_text()) if FULL.exists() else {}
+    base = {}
+    for n, w in sets.items():
+        key = f"{n}:{tuple(w.shape)}"
+        if key not in full:
+            loss, per = score(model, w, None)
+            full[key] = {"loss": loss, "per": per}
+        base[n] = full[key]
+    loss16, _ = score(model, sets[next(iter(sets))], codecs, [([16] * k.width, [16] * v.width)
+                                                            for k, v in zip(ks, vs)], args.group)
+    print(f"full-rank 16-bit latents on {next(iter(sets))}: Δloss {loss16 - base[next(iter(sets))]['loss']:+.5f}", flush=True)
+    for target in (float(b) for b in args.bits.split(",")):
+        for widths in (args.widths or ["4"]):
+            wtuple = tuple(int(b) for b in widths.split("."))
+            for share in (float(s) for s in args.key_shares.split(",")):
+                bits, measured = plan_bits(ks, vs, stats, target, share, wtuple, args.group,
+                                           values_per_token)
+                hist = {b: sum(x.count(b) for kv in bits for x in kv) for b in (0, *WIDTHS)}
+                for n, w in sets.items():
+                    t = time.time()
+                    loss, per = score(model, w, codecs, bits, args.group)
+                    d = [a - b for a, b in zip(per, base[n]["per"])]
+                    m = sum(d) / len(d)
+                    se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+                    dloss = loss - base[n]["loss"]
+                    rec = {"target": target, "widths": widths, "key_share": share, "group": args.group,
+                           "bits": measured, "set": n, "dloss": dloss, "ratio": math.exp(dloss),
+                           "se": se, "channels_per_width": hist,
+                           "key_channels": sum(sum(1 for x in k if x) for k, _ in bits),
+                           "value_channels": sum(sum(1 for x in v if x) for _, v in bits),
+                           "seconds": time.time() - t}
+                    with OUT.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
+                    print(f"{target:.2f} b  widths {widths:8s} keys {share:.2f}  {n:10s} bits {measured:.3f} "
+                          f"Δloss {dloss:+.4f}±{se:.4f} ×{math.exp(dloss):.4f}  {hist}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
