@@ -19,6 +19,10 @@ residual 0) with per-layer options:
   vhad           values rotated by an orthonormal 64x64 Hadamard H before quantization and
                  rotated back after (== folding H into v_proj / Hᵀ into o_proj)
   sink           the first `sink` tokens of the sequence kept at 16 bits (codes start after)
+  vizero         values' zero points stored as `bits`-bit integers (the code of 0.0, each
+                 group's range widened to hold 0; a value group nearly always does), 16-bit
+                 scale: a group costs 16 + bits bits of metadata instead of 32. Keys keep
+                 float zero points (pre-RoPE key channels sit far from 0)
 Every token is quantized (a partial last group is quantized too, padded, and its bytes counted).
 Bits are counted from the quantized tensors' nbytes (16-bit scale + zero), 16-bit sink tokens,
 plus the RoPE angle log (64 16-bit values per token, shared over all layers/heads/sides) when
@@ -41,7 +45,7 @@ import torch  # noqa: E402
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 import lorc_fx  # noqa: E402
-from lorc_fx.cache.quantize import QuantSpec, quantize, dequantize  # noqa: E402
+from lorc_fx.cache.quantize import QuantSpec, _grouped, quantize, dequantize, round_to  # noqa: E402
 from lorc_fx.eval.evaluate import evaluation_windows  # noqa: E402
 
 SCALE = torch.float16
@@ -68,6 +72,7 @@ class Side:
     vbits: int = 4
     vgroup: int = 64
     vhad: bool = False
+    vizero: bool = False
 
 
 class Ctx:
@@ -75,12 +80,30 @@ class Ctx:
     sin = {}
 
 
-def fq(x, spec):
+def fq(x, spec, integer_zero=False):
     """fake-quantize, bytes"""
     if spec.bits == 16:
         return x, x.numel() * 2
+    if integer_zero:
+        return fq_integer_zero(x, spec)
     q = quantize(x, spec)
     return dequantize(q), q.nbytes
+
+
+def fq_integer_zero(x, spec):
+    """fake-quantize with the zero point an integer code: each group's range widened to
+    hold 0, scale rounded up to fp16; bytes"""
+    levels = (1 << spec.bits) - 1
+    y = x.movedim(spec.axis, -1)
+    n = y.shape[-1]
+    g = _grouped(x, spec).float()
+    lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+    scale = round_to((hi - lo) / levels, SCALE, up=True).clamp_min(1e-8)
+    zero = torch.round(-lo / scale).clamp(0, levels)
+    codes = (torch.round(g / scale) + zero).clamp(0, levels)
+    deq = ((codes - zero) * scale).flatten(-2)[..., :n].to(x.dtype).movedim(-1, spec.axis)
+    groups = g.shape[:-1].numel()
+    return deq, groups * (spec.group * spec.bits // 8 + 2) + math.ceil(groups * spec.bits / 8)
 
 
 class VarLayer(DynamicLayer):
@@ -107,10 +130,10 @@ class VarLayer(DynamicLayer):
             kd, kb = fq(kq, QuantSpec.per_channel(c.kbits, c.kgroup, SCALE))
         if c.vhad:
             H = hadamard(v.shape[-1]).to(v.dtype)
-            deq, vb = fq(vq @ H, QuantSpec.per_token(c.vbits, c.vgroup, SCALE))
+            deq, vb = fq(vq @ H, QuantSpec.per_token(c.vbits, c.vgroup, SCALE), c.vizero)
             vd = deq @ H.T
         else:
-            vd, vb = fq(vq, QuantSpec.per_token(c.vbits, c.vgroup, SCALE))
+            vd, vb = fq(vq, QuantSpec.per_token(c.vbits, c.vgroup, SCALE), c.vizero)
         keys = torch.cat([k[..., :s, :], kd], dim=-2)
         values = torch.cat([v[..., :s, :], vd], dim=-2)
         self.bytes = kb + vb + 2 * 2 * k[..., :s, :].numel()
@@ -166,7 +189,7 @@ def score(model, windows, cfgs, sink, batch_size=2):
 
 def variant(name, L=30):
     """name -> (per-layer Side list, sink). Syntax: tokens joined by '+':
-    base | vhad | kpre | k128 | v32 | sink1 | k<bits>:<layers> | v<bits>:<layers> | kg<N> | vg<N>
+    base | vhad | kpre | vizero | k128 | v32 | sink1 | k<bits>:<layers> | v<bits>:<layers> | kg<N> | vg<N>
     (bits 2, 3, 4, 8 or 16; layers like 1.4.10-29)"""
     side, sink, over = Side(), 0, {}
     for t in name.split("+"):
@@ -174,6 +197,8 @@ def variant(name, L=30):
             pass
         elif t == "vhad":
             side = replace(side, vhad=True)
+        elif t == "vizero":
+            side = replace(side, vizero=True)
         elif t == "kpre":
             side = replace(side, kpre=True)
         elif t.startswith("kg"):
