@@ -23,6 +23,8 @@ residual 0) with per-layer options:
                  group's range widened to hold 0; a value group nearly always does), 16-bit
                  scale: a group costs 16 + bits bits of metadata instead of 32. Keys keep
                  float zero points (pre-RoPE key channels sit far from 0)
+  vnf4           values as 4-bit NormalFloat codes (levels at normal quantiles, as QLoRA's
+                 NF4), symmetric: one 16-bit absmax scale per group, no zero point
 Every token is quantized (a partial last group is quantized too, padded, and its bytes counted).
 Bits are counted from the quantized tensors' nbytes (16-bit scale + zero), 16-bit sink tokens,
 plus the RoPE angle log (64 16-bit values per token, shared over all layers/heads/sides) when
@@ -73,6 +75,7 @@ class Side:
     vgroup: int = 64
     vhad: bool = False
     vizero: bool = False
+    vnf4: bool = False
 
 
 class Ctx:
@@ -80,10 +83,12 @@ class Ctx:
     sin = {}
 
 
-def fq(x, spec, integer_zero=False):
+def fq(x, spec, integer_zero=False, normal_float=False):
     """fake-quantize, bytes"""
     if spec.bits == 16:
         return x, x.numel() * 2
+    if normal_float:
+        return fq_normal_float(x, spec)
     if integer_zero:
         return fq_integer_zero(x, spec)
     q = quantize(x, spec)
@@ -104,6 +109,29 @@ def fq_integer_zero(x, spec):
     deq = ((codes - zero) * scale).flatten(-2)[..., :n].to(x.dtype).movedim(-1, spec.axis)
     groups = g.shape[:-1].numel()
     return deq, groups * (spec.group * spec.bits // 8 + 2) + math.ceil(groups * spec.bits / 8)
+
+
+def normal_float_levels() -> torch.Tensor:
+    """16 levels in [-1, 1] at quantiles of a standard normal: 0, 8 positive, 7 negative."""
+    icdf = torch.distributions.Normal(0.0, 1.0).icdf
+    positive = icdf(torch.linspace(0.5, 0.9677, 9))[1:]
+    negative = -icdf(torch.linspace(0.5, 0.9677, 8))[1:]
+    levels = torch.cat([negative, torch.zeros(1), positive]).sort().values
+    return levels / levels.abs().max()
+
+
+def fq_normal_float(x, spec):
+    """fake-quantize to 4-bit NormalFloat, one fp16 absmax scale per group; bytes"""
+    assert spec.bits == 4
+    levels = normal_float_levels().to(x.device)
+    y = x.movedim(spec.axis, -1)
+    n = y.shape[-1]
+    g = _grouped(x, spec).float()
+    scale = round_to(g.abs().amax(-1, keepdim=True), SCALE, up=True).clamp_min(1e-8)
+    codes = ((g / scale)[..., None] - levels).abs().argmin(-1)
+    deq = (levels[codes] * scale).flatten(-2)[..., :n].to(x.dtype).movedim(-1, spec.axis)
+    groups = g.shape[:-1].numel()
+    return deq, groups * (spec.group * spec.bits // 8 + 2)
 
 
 class VarLayer(DynamicLayer):
@@ -130,10 +158,10 @@ class VarLayer(DynamicLayer):
             kd, kb = fq(kq, QuantSpec.per_channel(c.kbits, c.kgroup, SCALE))
         if c.vhad:
             H = hadamard(v.shape[-1]).to(v.dtype)
-            deq, vb = fq(vq @ H, QuantSpec.per_token(c.vbits, c.vgroup, SCALE), c.vizero)
+            deq, vb = fq(vq @ H, QuantSpec.per_token(c.vbits, c.vgroup, SCALE), c.vizero, c.vnf4)
             vd = deq @ H.T
         else:
-            vd, vb = fq(vq, QuantSpec.per_token(c.vbits, c.vgroup, SCALE), c.vizero)
+            vd, vb = fq(vq, QuantSpec.per_token(c.vbits, c.vgroup, SCALE), c.vizero, c.vnf4)
         keys = torch.cat([k[..., :s, :], kd], dim=-2)
         values = torch.cat([v[..., :s, :], vd], dim=-2)
         self.bytes = kb + vb + 2 * 2 * k[..., :s, :].numel()
@@ -189,7 +217,7 @@ def score(model, windows, cfgs, sink, batch_size=2):
 
 def variant(name, L=30):
     """name -> (per-layer Side list, sink). Syntax: tokens joined by '+':
-    base | vhad | kpre | vizero | k128 | v32 | sink1 | k<bits>:<layers> | v<bits>:<layers> | kg<N> | vg<N>
+    base | vhad | kpre | vizero | vnf4 | k128 | v32 | sink1 | k<bits>:<layers> | v<bits>:<layers> | kg<N> | vg<N>
     (bits 2, 3, 4, 8 or 16; layers like 1.4.10-29)"""
     side, sink, over = Side(), 0, {}
     for t in name.split("+"):
@@ -197,6 +225,8 @@ def variant(name, L=30):
             pass
         elif t == "vhad":
             side = replace(side, vhad=True)
+        elif t == "vnf4":
+            side = replace(side, vnf4=True)
         elif t == "vizero":
             side = replace(side, vizero=True)
         elif t == "kpre":
