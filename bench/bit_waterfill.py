@@ -116,7 +116,10 @@ class WaterLayer(DynamicLayer):
         kb, vb = self.bits
         keys = rotate(reconstruct_math(fake_quantize(zk, kb, self.group), c.kb, c.heads),
                       cos, sin, c.style)
-        values = reconstruct_math(fake_quantize(zv, vb, self.group), c.vb, c.heads)
+        if vb is None:  # KIVI's values: per token, groups of 64 channels, no basis
+            values = dequantize(quantize(value_states, QuantSpec.per_token(4, 64, SCALE)))
+        else:
+            values = reconstruct_math(fake_quantize(zv, vb, self.group), c.vb, c.heads)
         self.keys, self.values = keys, values
         return keys, values
 
@@ -180,10 +183,19 @@ def allocate(energies, rho, budget, widths, group):
     return out, spent
 
 
-def plan_bits(k_spectra, v_spectra, stats, target, key_share, widths, group, values_per_token):
-    """Per layer (key bits, value bits) at ``target`` bits per value."""
+def plan_bits(k_spectra, v_spectra, stats, target, key_share, widths, group, values_per_token,
+              kivi_values=False):
+    """Per layer (key bits, value bits) at ``target`` bits per value; with ``kivi_values``
+    the values are KIVI's 4-bit per-token codes (4.5 bits each, value bits ``None``) and the
+    keys take the rest of the budget."""
     layers = len(k_spectra)
     budget = target * values_per_token - ANGLE_BITS
+    if kivi_values:
+        fixed = 4.5 * sum(v.width for v in v_spectra)
+        rho = [{b: (stats[(l, "k")][b] / stats[(l, "k")]["power"].clamp_min(1e-30)).tolist()
+                for b in WIDTHS} for l in range(layers)]
+        kbits, kspent = allocate([s.energy for s in k_spectra], rho, budget - fixed, widths, group)
+        return [(k, None) for k in kbits], (kspent + fixed + ANGLE_BITS) / values_per_token
     rho = {}
     for (l, side), s in stats.items():
         rho[(l, side)] = {b: (s[b] / s["power"].clamp_min(1e-30)).tolist() for b in WIDTHS}
@@ -218,6 +230,8 @@ def main():
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--sets", default="self_held")
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--values", choices=("latent", "kivi"), default="latent",
+                    help="kivi: values as KIVI's 4-bit per-token codes, keys take the rest")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     model = lorc_fx.load_model("default")
@@ -253,8 +267,9 @@ def main():
             wtuple = tuple(int(b) for b in widths.split("."))
             for share in (float(s) for s in args.key_shares.split(",")):
                 bits, measured = plan_bits(ks, vs, stats, target, share, wtuple, args.group,
-                                           values_per_token)
-                hist = {b: sum(x.count(b) for kv in bits for x in kv) for b in (0, *WIDTHS)}
+                                           values_per_token, args.values == "kivi")
+                hist = {b: sum(x.count(b) for kv in bits for x in kv if x is not None)
+                        for b in (0, *WIDTHS)}
                 for n, w in sets.items():
                     t = time.time()
                     loss, per = score(model, w, codecs, bits, args.group)
@@ -262,11 +277,13 @@ def main():
                     m = sum(d) / len(d)
                     se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
                     dloss = loss - base[n]["loss"]
-                    rec = {"target": target, "widths": widths, "key_share": share, "group": args.group,
+                    rec = {"target": target, "widths": widths, "values": args.values,
+                           "key_share": None if args.values == "kivi" else share, "group": args.group,
                            "bits": measured, "set": n, "dloss": dloss, "ratio": math.exp(dloss),
                            "se": se, "channels_per_width": hist,
                            "key_channels": sum(sum(1 for x in k if x) for k, _ in bits),
-                           "value_channels": sum(sum(1 for x in v if x) for _, v in bits),
+                           "value_channels": sum(sum(1 for x in v if x) for _, v in bits
+                                                 if v is not None),
                            "seconds": time.time() - t}
                     with OUT.open("a") as f:
                         f.write(json.dumps(rec) + "\n")
