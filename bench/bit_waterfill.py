@@ -3,6 +3,8 @@ an exploration, not wired into the planner. Results: bench/results/bit_waterfill
 
     OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 2.56,1.92 \
         --widths 4 --widths 2.4.8 --key-shares 0.3,0.4,0.5 [--sets self_held,news,austen,poems]
+    OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 4.5 --values kivi --group 256 \
+        --widths 3.4.8 --key-shares 0
 
 Today a plan stores each side's latent at one bit width and cuts its rank to fill the budget:
 channels are either kept at that width or dropped. The latent channels are the rows of a
@@ -25,6 +27,8 @@ channel's lower convex hull of (cost, error) spends the budget where the error f
 Keys and values get separate budgets (``--key-shares``: the keys' share of the latent bits):
 the planner's key energies misjudge how layers compare with values (plan/allocation.py).
 ``--widths 4`` is the plan's own trade (4-bit latents, rank cut per layer): the control.
+``--values kivi`` keeps values as KIVI's 4-bit per-token codes (4.5 bits, no basis) and
+water-fills the keys alone with the rest of the budget (``--key-shares`` unused).
 
 Bits per value count everything: codes, 16-bit scales and zeros, and the RoPE angle log
 (64 16-bit values per token shared by all layers, +0.089), over 2·192·30 values per token.
