@@ -1,4 +1,4 @@
-"""Bits per latent channel by reverse water-filling (issue #13's 2.56- and 1.92-bit points):
+"""Bits per latent channel by reverse water-filling (issue #13):
 an exploration, not wired into the planner. Results: bench/results/bit_waterfill-cpu.md.
 
     OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 2.56,1.92 \
