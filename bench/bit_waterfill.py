@@ -53,7 +53,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 import lorc_fx  # noqa: E402
 from lorc_fx.api import _plan_inputs, checked_options  # noqa: E402
 from lorc_fx.cache.latent_ops import project_math, reconstruct_math  # noqa: E402
-from lorc_fx.cache.quantize import QuantSpec, dequantize, quantize  # noqa: E402
+from lorc_fx.cache.quantize import QuantSpec, fake_quantize  # noqa: E402
 from lorc_fx.cache.rotary import rotate  # noqa: E402
 from lorc_fx.eval.evaluate import evaluation_windows  # noqa: E402
 from lorc_fx.plan.planner import _key_spectrum, _value_spectrum  # noqa: E402
@@ -66,6 +66,7 @@ FULL = Path(__file__).parent / "results" / "int4_variants_full-cpu.json"
 SCALE = torch.float16
 ANGLE_BITS = 64 * 16  # the RoPE angle log, bits per token
 WIDTHS = (2, 3, 4, 8)
+KIVI_VALUES = QuantSpec.per_token(4, 64, SCALE)  # --values kivi: 4.5 bits per value
 
 
 class Codec:
@@ -77,7 +78,7 @@ class Codec:
         self.heads, self.style = heads, style
 
 
-def fake_quantize(z, bits, group):
+def fake_quantize_channels(z, bits, group):
     """``z (b, 1, s, r)``, each channel at ``bits[c]`` (0: dropped), per channel over groups of
     ``group`` tokens; channels of one width share one call."""
     out = torch.zeros_like(z)
@@ -87,7 +88,7 @@ def fake_quantize(z, bits, group):
         idx = torch.tensor([c for c, w in enumerate(bits) if w == b])
         part = z[..., idx]
         if b < 16:
-            part = dequantize(quantize(part, QuantSpec.per_channel(b, group, SCALE)))
+            part = fake_quantize(part, QuantSpec.per_channel(b, group, SCALE))[0]
         out[..., idx] = part
     return out
 
@@ -113,17 +114,17 @@ class WaterLayer(DynamicLayer):
                 s = self.stats.setdefault((self.idx, side), {"power": 0.0})
                 s["power"] = s["power"] + (z.double() ** 2).sum((0, 1, 2))
                 for b in WIDTHS:
-                    err = dequantize(quantize(z, QuantSpec.per_channel(b, self.group, SCALE))) - z
+                    err = fake_quantize(z, QuantSpec.per_channel(b, self.group, SCALE))[0] - z
                     s[b] = s.get(b, 0.0) + (err.double() ** 2).sum((0, 1, 2))
             self.keys, self.values = key_states, value_states
             return key_states, value_states
         kb, vb = self.bits
-        keys = rotate(reconstruct_math(fake_quantize(zk, kb, self.group), c.kb, c.heads),
+        keys = rotate(reconstruct_math(fake_quantize_channels(zk, kb, self.group), c.kb, c.heads),
                       cos, sin, c.style)
         if vb is None:  # KIVI's values: per token, groups of 64 channels, no basis
-            values = dequantize(quantize(value_states, QuantSpec.per_token(4, 64, SCALE)))
+            values = fake_quantize(value_states, KIVI_VALUES)[0]
         else:
-            values = reconstruct_math(fake_quantize(zv, vb, self.group), c.vb, c.heads)
+            values = reconstruct_math(fake_quantize_channels(zv, vb, self.group), c.vb, c.heads)
         self.keys, self.values = keys, values
         return keys, values
 
@@ -192,20 +193,19 @@ def plan_bits(k_spectra, v_spectra, stats, target, key_share, widths, group, val
     """Per layer (key bits, value bits) at ``target`` bits per value; with ``kivi_values``
     the values are KIVI's 4-bit per-token codes (4.5 bits each, value bits ``None``) and the
     keys take the rest of the budget."""
-    layers = len(k_spectra)
+    layers = range(len(k_spectra))
     budget = target * values_per_token - ANGLE_BITS
+    rho = {key: {b: (s[b] / s["power"].clamp_min(1e-30)).tolist() for b in WIDTHS}
+           for key, s in stats.items()}
+    k_energy = [s.energy for s in k_spectra]
     if kivi_values:
-        fixed = 4.5 * sum(v.width for v in v_spectra)
-        rho = [{b: (stats[(l, "k")][b] / stats[(l, "k")]["power"].clamp_min(1e-30)).tolist()
-                for b in WIDTHS} for l in range(layers)]
-        kbits, kspent = allocate([s.energy for s in k_spectra], rho, budget - fixed, widths, group)
+        fixed = KIVI_VALUES.bits_per_value() * sum(v.width for v in v_spectra)
+        kbits, kspent = allocate(k_energy, [rho[(l, "k")] for l in layers], budget - fixed,
+                                 widths, group)
         return [(k, None) for k in kbits], (kspent + fixed + ANGLE_BITS) / values_per_token
-    rho = {}
-    for (l, side), s in stats.items():
-        rho[(l, side)] = {b: (s[b] / s["power"].clamp_min(1e-30)).tolist() for b in WIDTHS}
-    kbits, kspent = allocate([s.energy for s in k_spectra], [rho[(l, "k")] for l in range(layers)],
-                             key_share * budget, widths, group)
-    vbits, vspent = allocate([s.energy for s in v_spectra], [rho[(l, "v")] for l in range(layers)],
+    kbits, kspent = allocate(k_energy, [rho[(l, "k")] for l in layers], key_share * budget,
+                             widths, group)
+    vbits, vspent = allocate([s.energy for s in v_spectra], [rho[(l, "v")] for l in layers],
                              budget - kspent, widths, group)
     bits = (kspent + vspent + ANGLE_BITS) / values_per_token
     return list(zip(kbits, vbits)), bits

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 import lorc_fx  # noqa: E402
-from lorc_fx.cache.quantize import QuantSpec, _grouped, quantize, dequantize, round_to  # noqa: E402
+from lorc_fx.cache.quantize import QuantSpec, _grouped, fake_quantize, round_to  # noqa: E402
 from lorc_fx.eval.evaluate import evaluation_windows  # noqa: E402
 
 SCALE = torch.float16
@@ -91,24 +91,28 @@ def fq(x, spec, integer_zero=False, normal_float=False):
         return fq_normal_float(x, spec)
     if integer_zero:
         return fq_integer_zero(x, spec)
-    q = quantize(x, spec)
-    return dequantize(q), q.nbytes
+    return fake_quantize(x, spec)
+
+
+def _ungrouped(g, like, spec):
+    """``g (..., groups, group)``, as ``_grouped(like, spec)`` made it, back to ``like``'s
+    shape and dtype (the last group's padding cut off)."""
+    n = like.shape[spec.axis]
+    return g.flatten(-2)[..., :n].to(like.dtype).movedim(-1, spec.axis)
 
 
 def fq_integer_zero(x, spec):
     """fake-quantize with the zero point an integer code: each group's range widened to
     hold 0, scale rounded up to fp16; bytes"""
     levels = (1 << spec.bits) - 1
-    y = x.movedim(spec.axis, -1)
-    n = y.shape[-1]
     g = _grouped(x, spec).float()
     lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
     scale = round_to((hi - lo) / levels, SCALE, up=True).clamp_min(1e-8)
     zero = torch.round(-lo / scale).clamp(0, levels)
     codes = (torch.round(g / scale) + zero).clamp(0, levels)
-    deq = ((codes - zero) * scale).flatten(-2)[..., :n].to(x.dtype).movedim(-1, spec.axis)
     groups = g.shape[:-1].numel()
-    return deq, groups * (spec.group * spec.bits // 8 + 2) + math.ceil(groups * spec.bits / 8)
+    return (_ungrouped((codes - zero) * scale, x, spec),
+            groups * (spec.group * spec.bits // 8 + 2) + math.ceil(groups * spec.bits / 8))
 
 
 def normal_float_levels() -> torch.Tensor:
@@ -124,14 +128,11 @@ def fq_normal_float(x, spec):
     """fake-quantize to 4-bit NormalFloat, one fp16 absmax scale per group; bytes"""
     assert spec.bits == 4
     levels = normal_float_levels().to(x.device)
-    y = x.movedim(spec.axis, -1)
-    n = y.shape[-1]
     g = _grouped(x, spec).float()
     scale = round_to(g.abs().amax(-1, keepdim=True), SCALE, up=True).clamp_min(1e-8)
     codes = ((g / scale)[..., None] - levels).abs().argmin(-1)
-    deq = (levels[codes] * scale).flatten(-2)[..., :n].to(x.dtype).movedim(-1, spec.axis)
     groups = g.shape[:-1].numel()
-    return deq, groups * (spec.group * spec.bits // 8 + 2)
+    return _ungrouped(levels[codes] * scale, x, spec), groups * (spec.group * spec.bits // 8 + 2)
 
 
 class VarLayer(DynamicLayer):
