@@ -3,9 +3,11 @@ value, on news, Austen and a held-out genre (poems) (issue #13, parts 2 and 3).
 
     OMP_NUM_THREADS=1 python bench/bits_pareto.py [--budgets 8.5,4.5,3,2.56,1.92]
         [--texts news,austen,poems] [--tokens 4096] [--kivi 8:64,4:64,3:64,2:32,2:64]
+        [--stem bits_pareto-cpu]
 
 **LoRC**: ``lorc_fx.compress(model, bits_per_value=B)`` at default options: the planner
-measures plain 8/4-bit KV quantization where it fits (KIVI's layout) and then every
+measures plain 8/4-bit KV quantization where it fits (KIVI's layout), keys water-filled over
+8/4/3-bit latent rows beside plain 4-bit values (``plan.bit_allocation``), and then every
 low-rank candidate (16/8/4-bit latents in groups of 32 or 64 tokens at the rank that fills
 the budget, for both RoPE modes) on held-out calibration windows of text sampled from the
 model and keeps the least loss (a plain candidate within 0.002 nats of the uncompressed
@@ -107,6 +109,7 @@ def plot(doc: dict) -> None:
 
 
 def main() -> None:
+    global STEM
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", default="8.5,4.5,3,2.56,1.92")
@@ -116,7 +119,10 @@ def main() -> None:
     parser.add_argument("--kivi", default="8:64,4:64,3:64,2:32,2:64", help="bits:group, R=0")
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--stem", default=STEM, help="results file names (another keeps the "
+                        "default results apart, e.g. a longer evaluation)")
     args = parser.parse_args()
+    STEM = args.stem
     torch.set_num_threads(1)
     path = RESULTS / f"{STEM}.json"
     doc = json.loads(path.read_text()) if path.exists() and not args.fresh else None
@@ -135,7 +141,8 @@ def main() -> None:
                  "points, LoRC's RoPE angle log), every stored float at 16 bits: 16 = an "
                  "uncompressed 16-bit cache. LoRC rows: `compress(model, bits_per_value=B)` at "
                  "default options (the planner measures plain 8/4-bit quantization in KIVI's "
-                 "layout first, then latents at 16/8/4 bits per channel over groups of 32 or 64 "
+                 "layout first, then keys water-filled over 8/4/3-bit latent rows beside plain "
+                 "4-bit values, then latents at 16/8/4 bits per channel over groups of 32 or 64 "
                  "tokens at the rank filling the budget, and keeps the least held-out "
                  "calibration loss; a plain candidate within 0.002 nats of the full model ends "
                  "the search). KIVI rows: "
@@ -178,9 +185,20 @@ def main() -> None:
         o = plan.options
         full, kept = plan.cache_elements_per_token()
         group = f" G{o.latent_group}" if o.latent_bits != 16 else ""
-        choice = (f"plain int{o.latent_bits}{group}" if plan.kind == "plain" else
-                  f"low rank ({kept / full:.2f} of the width), {o.latent_bits}-bit latents"
-                  f"{group}, {o.rope}")
+        if plan.kind == "plain":
+            choice = f"plain int{o.latent_bits}{group}"
+        elif plan.kind == "keys_waterfilled":
+            rows = {}
+            for layer in plan.layers:
+                for count, bits in layer.k_bit_runs:
+                    rows[bits] = rows.get(bits, 0) + count
+            keys = " / ".join(f"{rows[b]}×{b}" for b in sorted(rows, reverse=True))
+            choice = (f"keys water-filled ({keys}-bit rows of "
+                      f"{sum(l.k_full for l in plan.layers)}, G{plan.layers[0].k_group}), "
+                      f"int{o.latent_bits} values{group}, {o.rope}")
+        else:
+            choice = (f"low rank ({kept / full:.2f} of the width), {o.latent_bits}-bit latents"
+                      f"{group}, {o.rope}")
         row = {"method": method, "budget": budget, "choice": choice,
                "bits_per_value": plan.bits_per_value, "candidates": plan.candidates,
                "plan_seconds": time.perf_counter() - start, "ratio": {}}

@@ -36,6 +36,7 @@ from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.report import CompressionReport
 from lorc_fx.search.bits import (NEGLIGIBLE_LOSS, Candidate, best_candidate, candidates,
                                  over_budget)
+from lorc_fx.search.key_bits import keys_waterfilled_candidate
 from lorc_fx.search.fraction import bisection_steps, check_target, smallest_fraction
 from lorc_fx.search.split import (calibration_loss, held_out_calibration, held_out_loss,
                                   held_out_windows, measured_split)
@@ -386,6 +387,13 @@ def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
             prepared[candidate.rope] = _plan_inputs(model, blocks,
                                                     replace(options, rope=candidate.rope))
         resolved, inputs, note = prepared[candidate.rope]
+        if candidate.keys_waterfilled:
+            if options.shards > 1:
+                raise UnreachableFraction(f"{candidate.name}: not planned over shards", math.inf)
+            waterfilled = keys_waterfilled_candidate(
+                model, blocks, replace(resolved, latent_bits=candidate.latent_bits,
+                                       latent_group=candidate.latent_group), inputs, note)
+            return waterfilled, held_out_loss(model, blocks, waterfilled) if measure else None
         # RoPE modes are compared where the basis is calibrated; bit widths always
         measured = measure and (resolved.basis in CALIBRATED_BASES or len(widths) > 1)
         asked = replace(resolved, latent_bits=candidate.latent_bits,

@@ -60,7 +60,9 @@ def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
                    help="calibrated schedule: keys' kept ratio in [0, 1]; None: measured")
     p.add_argument("--latent-bits", type=_latent_bits, default=None,
                    help="auto (default): measure plain 8- and 4-bit KV quantization, then "
-                        "16-, 8- and 4-bit latents at the rank that fills the budget, and keep "
+                        "keys water-filled over 8/4/3-bit latent rows beside plain 4-bit "
+                        "values, then 16-, 8- and 4-bit latents at the rank that fills the "
+                        "budget, and keep "
                         "the least held-out loss (a plain candidate within 0.002 nats of the "
                         "full cache ends the search); 16, 8 or 4: latents stored that way "
                         "(per channel over groups of --latent-group tokens). With --basis "

@@ -28,6 +28,8 @@ def plan_table(plan: Plan) -> str:
     asked = (f"requested {o.bits_per_value:g} bits per value" if o.bits_per_value is not None
              else f"requested {o.cache_fraction:.4f}")
     how = ("plain KV quantization, no basis" if plan.kind == "plain"
+           else f"keys water-filled over code widths; basis={o.basis}, rope={o.rope}"
+           if plan.kind == "keys_waterfilled"
            else f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, "
                 f"rope={o.rope}")
     lines.append(
@@ -49,7 +51,9 @@ def plan_table(plan: Plan) -> str:
             "every decode step, so long-context decode gains less speed than the cache shrinks "
             "(bench/results/long_context_lowrank-cpu.md); objective='speed' (--objective speed) caches "
             "keys after RoPE instead")
-    if plan.kind != "plain" and o.latent_bits != 16:
+    if plan.kind == "keys_waterfilled":
+        lines.append(_waterfilled_description(plan))
+    elif plan.kind != "plain" and o.latent_bits != 16:
         lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
                      f"{o.latent_group} tokens (the last partial group in full precision)")
     if plan.candidates:
@@ -60,6 +64,23 @@ def plan_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _waterfilled_description(plan: Plan) -> str:
+    """The code widths of a keys_waterfilled plan, in words."""
+    rows: dict[int, int] = {}
+    for l in plan.layers:
+        for count, bits in l.k_bit_runs:
+            rows[bits] = rows.get(bits, 0) + count
+    full = sum(l.k_full for l in plan.layers if l.k_bit_runs)
+    widths = ", ".join(f"{rows[b]} at {b} bits" for b in sorted(rows, reverse=True))
+    groups = sorted({l.k_group for l in plan.layers if l.k_bit_runs})
+    o = plan.options
+    return (f"keys water-filled: each key latent row stored at the width its energy and measured "
+            f"rounding error buy, or dropped ({sum(rows.values())} of {full} rows kept: "
+            f"{widths}), per channel over groups of {'/'.join(map(str, groups))} tokens; values "
+            f"stored as {o.latent_bits}-bit codes per token over groups of channels within each "
+            "head, as plain KV quantization (the last partial group of tokens in full precision)")
+
+
 def _rank_table(plan: Plan) -> list[str]:
     header = f"{'layer':>5} {'K rank':>9} {'V rank':>9} {'κ(W_k)':>10} {'κ(W_v)':>10} {'log κ̃':>8}  skipped"
     lines = [header, "-" * len(header)]
@@ -67,7 +88,9 @@ def _rank_table(plan: Plan) -> list[str]:
         lines.append(
             f"{l.layer:>5} {l.k_rank:>4}/{l.k_full:<4} {l.v_rank:>4}/{l.v_full:<4} "
             f"{l.kappa_k:>10.3g} {l.kappa_v:>10.3g} {l.log_kappa_cum:>8.2f}  "
-            f"{'yes' if l.skipped else 'no'}{'  ' + l.note if l.note else ''}")
+            f"{'yes' if l.skipped else 'no'}{'  ' + l.note if l.note else ''}"
+            + ("  key rows " + " ".join(f"{n}×{b}b" for n, b in l.k_bit_runs)
+               if l.k_bit_runs else ""))
     return lines
 
 

@@ -12,12 +12,13 @@ from lorc_fx.plan.options import SCALE_BITS, STORED_FLOAT_BITS
 from lorc_fx.plan.planner import Plan
 
 from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer
-from .quantize import QuantSpec
+from .quantize import ChannelSplit, QuantSpec
 from .quantized_layers import QuantizedLatentDynamicLayer
 from .quantized_static import QuantizedLatentStaticLayer
 from .rotary import RotaryLog
 
-SideSpecs = tuple[QuantSpec | None, QuantSpec | None]  # (keys, values); None: not quantized
+# (keys, values); None: not quantized; keys of a keys_waterfilled plan: a split of widths
+SideSpecs = tuple[QuantSpec | ChannelSplit | None, QuantSpec | None]
 
 
 def codecs(plan: Plan) -> dict[int, LatentCodec]:
@@ -37,8 +38,9 @@ def scale_dtype(plan: Plan) -> torch.dtype | None:
 
 def side_specs(plan: Plan) -> dict[int, SideSpecs]:
     """How each layer's sides are stored (``Plan.side_groups``): latents per channel over
-    groups of ``latent_group`` tokens, a plain plan's values per token; 16-bit scales
-    (:func:`scale_dtype`). Empty where nothing is quantized."""
+    groups of ``latent_group`` tokens, a plain plan's values per token, a keys_waterfilled
+    plan's keys in runs of their own widths; 16-bit scales (:func:`scale_dtype`). Empty where
+    nothing is quantized."""
     bits = plan.options.latent_bits
     if bits == 16:
         return {}
@@ -47,7 +49,9 @@ def side_specs(plan: Plan) -> dict[int, SideSpecs]:
         (k_group, k_axis), (v_group, v_axis) = plan.side_groups(layer)
         make = lambda group, axis: (None if group is None
                                     else QuantSpec(bits, group, axis, scales))
-        specs = (make(k_group, k_axis), make(v_group, v_axis))
+        keys = (ChannelSplit(layer.k_bit_runs, k_group, scales)
+                if layer.k_bit_runs and k_group else make(k_group, k_axis))
+        specs = (keys, make(v_group, v_axis))
         if specs != (None, None):
             out[layer.layer] = specs
     return out

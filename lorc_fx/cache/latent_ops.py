@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import QuantizedTensor, QuantSpec
+from .quantize import QuantizedTensor, QuantSpec, SplitTensor
 from .quantize import dequantize as dequantize_math
 from .rotary import rotate
 
@@ -114,8 +114,11 @@ def _(payload, scale, zero, bits, group, axis, length, width, dtype):
     return scale.new_empty(payload.shape[0], payload.shape[1], length, width, dtype=dtype)
 
 
-def dequantized(q: QuantizedTensor) -> torch.Tensor:
-    """``q`` dequantized through ``lorc::dequantize``."""
+def dequantized(q: QuantizedTensor | SplitTensor) -> torch.Tensor:
+    """``q`` dequantized through ``lorc::dequantize`` (a split side: one node per run of
+    channels, concatenated along the channels)."""
+    if isinstance(q, SplitTensor):
+        return torch.cat([dequantized(p) for p in q.parts], dim=-1)
     return dequantize_codes(q.payload, q.scale, q.zero, q.spec.bits, q.spec.group,
                             -2 if q.spec.axis % 4 == 2 else -1, q.shape[2], q.shape[3], q.dtype)
 

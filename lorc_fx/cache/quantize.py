@@ -18,6 +18,11 @@ in order (what lets a compiler fuse it into whatever reads them); 3 bits eight v
 three bytes, little-endian. ``bits=16`` means "not quantized": the tensor is kept as it is, in its
 own dtype (16 bits per value in a 16-bit model).
 
+A side whose channels are stored at several widths (``ChannelSplit``: keys water-filled by
+energy, each channel at the width its share of the error buys) is one ``QuantizedTensor`` per
+run of channels of one width, side by side along the channels (``SplitTensor``); every
+function here that takes a quantized tensor takes one of those too, part by part.
+
 Byte accounting counts everything: payload plus one scale and one zero point per group, both
 stored in ``scale_dtype`` (the model's dtype when ``None``). ``QuantizedTensor.nbytes`` is
 measured from the tensors; ``QuantSpec.nbytes(shape, dtype)`` predicts it exactly, and
@@ -129,12 +134,86 @@ class QuantizedTensor:
     dtype: torch.dtype
 
     @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it holds: the payload, and the scales and zero points of a quantized spec."""
+        return tuple(t for t in (self.payload, self.scale, self.zero) if t is not None)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the tensors, measured."""
-        return sum(t.nbytes for t in (self.payload, self.scale, self.zero) if t is not None)
+        return sum(t.nbytes for t in self.tensors)
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self)
+
+
+@dataclass(frozen=True)
+class ChannelSplit:
+    """A ``(b, h, n, width)`` side stored per channel over groups of ``group`` tokens, its
+    channels in runs of one width each: ``parts`` is ``(channels, bits)`` per run, in channel
+    order (the runs cover the width); scales and zero points in ``scale_dtype``."""
+    parts: tuple[tuple[int, int], ...]
+    group: int
+    scale_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if not self.parts or any(c < 1 for c, _ in self.parts):
+            raise ValueError(f"a channel split needs runs of at least one channel, not {self.parts}")
+        for _, bits in self.parts:  # each run a valid per-channel spec
+            QuantSpec.per_channel(bits, self.group, self.scale_dtype)
+
+    axis = -2  # per channel: groups run along the tokens
+    quantized = True
+
+    def specs(self) -> list[tuple[int, int, QuantSpec]]:
+        """``(first channel, channels, spec)`` of every run."""
+        out, at = [], 0
+        for channels, bits in self.parts:
+            out.append((at, channels, QuantSpec.per_channel(bits, self.group, self.scale_dtype)))
+            at += channels
+        return out
+
+    @property
+    def width(self) -> int:
+        return sum(c for c, _ in self.parts)
+
+    def nbytes(self, shape, dtype: torch.dtype) -> int:
+        return sum(spec.nbytes((*tuple(shape)[:-1], channels), dtype)
+                   for _, channels, spec in self.specs())
+
+    def bits_per_value(self, dtype: torch.dtype | None = None) -> float:
+        return sum(c * spec.bits_per_value(dtype) for _, c, spec in self.specs()) / self.width
+
+
+@dataclass(frozen=True)
+class SplitTensor:
+    """A side quantized by a ``ChannelSplit``: one ``QuantizedTensor`` per run of channels."""
+    parts: tuple[QuantizedTensor, ...]
+    spec: ChannelSplit
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.parts[0].shape[:-1], sum(p.shape[-1] for p in self.parts))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for p in self.parts for t in p.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+    def map(self, fn, *others: "SplitTensor") -> "SplitTensor":
+        """``fn`` applied to each part (with the matching part of each of ``others``)."""
+        return SplitTensor(tuple(fn(*ps) for ps in zip(self.parts, *(o.parts for o in others))),
+                           self.spec)
 
 
 # ---------------------------------------------------------------- packing
@@ -253,10 +332,16 @@ def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return y.reshape(*y.shape[:-1], (n + pad) // spec.group, spec.group)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
+def quantize(x: torch.Tensor, spec: QuantSpec | ChannelSplit) -> QuantizedTensor | SplitTensor:
     """Quantize ``x`` by ``spec``; see the module docstring."""
     if not x.is_floating_point():
         raise TypeError("quantize takes a floating tensor")
+    if isinstance(spec, ChannelSplit):
+        if x.shape[-1] != spec.width:
+            raise ValueError(f"a channel split of {spec.width} channels cannot hold "
+                             f"{x.shape[-1]}")
+        return SplitTensor(tuple(quantize(x[..., at:at + c], part)
+                                 for at, c, part in spec.specs()), spec)
     if not spec.quantized:
         return QuantizedTensor(x, None, None, spec, tuple(x.shape), x.dtype)
     scale_dtype = spec.scale_dtype or x.dtype
@@ -271,8 +356,10 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QuantizedTensor:
     return QuantizedTensor(payload, scale, zero, spec, tuple(x.shape), x.dtype)
 
 
-def dequantize(q: QuantizedTensor) -> torch.Tensor:
+def dequantize(q: QuantizedTensor | SplitTensor) -> torch.Tensor:
     """The tensor ``q`` stands for: ``zero + code·scale``, in the original dtype and shape."""
+    if isinstance(q, SplitTensor):
+        return torch.cat([dequantize(p) for p in q.parts], dim=-1)
     if not q.spec.quantized:
         return q.payload
     codes = unpack_bits(q.payload, q.spec.bits).float()
@@ -294,13 +381,15 @@ def _token_dims(q: QuantizedTensor) -> tuple[int, int, int]:
     return 2, 2, 1
 
 
-def token_count(q: QuantizedTensor | None) -> int:
+def token_count(q: QuantizedTensor | SplitTensor | None) -> int:
     return 0 if q is None else q.shape[2]
 
 
 def token_slots(q: QuantizedTensor, tokens: int, slots: int, copy: bool = False) -> QuantizedTensor:
     """``q`` standing for its first ``tokens`` tokens, its tensors cut to ``slots`` token slots
     (``tokens`` or more, per channel whole groups): a view, or a copy."""
+    if isinstance(q, SplitTensor):
+        return q.map(lambda p: token_slots(p, tokens, slots, copy))
     dim, scale_dim, per = _token_dims(q)
     if tokens % per or slots % per:
         raise ValueError(f"{tokens} tokens in {slots} slots are not whole groups of {per}")
@@ -316,6 +405,8 @@ def splice_tokens(q: QuantizedTensor, new: QuantizedTensor, tokens: int,
     whatever was there; ``slots`` at most ``q``'s slots plus ``new``'s). Every size is
     arithmetic of the inputs' sizes and nothing depends on how many of ``new``'s tokens are
     kept, so a traced caller needs no branch on it."""
+    if isinstance(q, SplitTensor):
+        return q.map(lambda p, n: splice_tokens(p, n, tokens, slots), new)
     dim, scale_dim, per = _token_dims(q)
     at = q.shape[2] // per
 
@@ -335,12 +426,14 @@ def map_batch(q: QuantizedTensor | None, fn) -> QuantizedTensor | None:
     """``q`` with ``fn`` (an operation on the batch axis 0) applied to its tensors."""
     if q is None:
         return None
+    if isinstance(q, SplitTensor):
+        return q.map(lambda p: map_batch(p, fn))
     payload = fn(q.payload)
     return QuantizedTensor(payload, fn(q.scale), fn(q.zero), q.spec,
                            (payload.shape[0], *q.shape[1:]), q.dtype)
 
 
-def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, int]:
+def fake_quantize(x: torch.Tensor, spec: QuantSpec | ChannelSplit) -> tuple[torch.Tensor, int]:
     """``dequantize(quantize(x))`` and the bytes the quantized form holds."""
     q = quantize(x, spec)
     return dequantize(q), q.nbytes

@@ -1,7 +1,9 @@
 """Cache layers that store latents as integer codes (KIVI-style), or, for plain KV-cache
 quantization (a plan of ``kind == "plain"``), the keys and values themselves.
 
-Each side has its own :class:`QuantSpec` (``None``: kept in the model's dtype):
+Each side has its own :class:`QuantSpec` (``None``: kept in the model's dtype), or, for keys
+water-filled over channel widths, a :class:`ChannelSplit` (per channel, one spec per run of
+channels of one width; the window and the groups are shared by the runs):
 
 - a latent side is quantized **per channel** over groups of G tokens: a latent's energy sits
   in its first channels, so one scale per channel follows their very different ranges, where
@@ -30,9 +32,11 @@ import torch
 
 from .latent_ops import dequantized
 from .layers import LatentCodec, LatentDynamicLayer
-from .quantize import (QuantizedTensor, QuantSpec, map_batch, quantize, splice_tokens,
-                       token_count, token_slots)
+from .quantize import (ChannelSplit, QuantizedTensor, QuantSpec, SplitTensor, map_batch,
+                       quantize, splice_tokens, token_count, token_slots)
 
+
+Stored = QuantizedTensor | SplitTensor  # a side's codes: one width, or runs of several
 
 SPARE_GROUPS = 2  # groups of code slots a quantized side keeps past its tokens
 SPARE_ROWS = 2  # rows its window keeps past its tokens
@@ -53,8 +57,8 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
     reordering and batch repeat/select index the packed codes along batch.
     """
 
-    def __init__(self, bases: LatentCodec, k_spec: QuantSpec | None, v_spec: QuantSpec | None,
-                 logs_rotary: bool = False):
+    def __init__(self, bases: LatentCodec, k_spec: QuantSpec | ChannelSplit | None,
+                 v_spec: QuantSpec | None, logs_rotary: bool = False):
         for spec in (k_spec, v_spec):
             if spec is not None and (not spec.quantized or spec.axis not in (-2, -1)):
                 raise ValueError("a quantized layer takes specs of fewer than 16 bits, per "
@@ -66,23 +70,23 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         # tokens per settled group: the per-channel group (per-token codes need none)
         self.group = max([s.group for s in (k_spec, v_spec) if s is not None and s.axis == -2],
                          default=1)
-        self.k_store: QuantizedTensor | None = None
-        self.v_store: QuantizedTensor | None = None
+        self.k_store: Stored | None = None
+        self.v_store: Stored | None = None
 
     @property
-    def k_quant(self) -> QuantizedTensor | None:
+    def k_quant(self) -> Stored | None:
         return _stored_tokens(self.k_store)
 
     @property
-    def v_quant(self) -> QuantizedTensor | None:
+    def v_quant(self) -> Stored | None:
         return _stored_tokens(self.v_store)
 
     def window_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens of the keys' and values' windows, without spare rows."""
         return _window_tokens(self.k_store, self.keys), _window_tokens(self.v_store, self.values)
 
-    def _append(self, store: QuantizedTensor | None, window: torch.Tensor, new: torch.Tensor,
-                spec: QuantSpec | None):
+    def _append(self, store: Stored | None, window: torch.Tensor, new: torch.Tensor,
+                spec: QuantSpec | ChannelSplit | None):
         """``new`` tokens after the side's, then the whole groups its window starts with
         quantized (the window held fewer than G tokens before). Returns (store, window)."""
         if spec is None or new.shape[-1] == 0:  # kept in the model's dtype: no spare anything
@@ -131,7 +135,7 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         out = list(self.window_tokens())
         for q in (self.k_quant, self.v_quant):
             if q is not None:
-                out += [q.payload, q.scale, q.zero]
+                out += q.tensors
         return [t for t in out if isinstance(t, torch.Tensor)]
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -202,13 +206,13 @@ def _with_spare_rows(tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens, spare], dim=-2)
 
 
-def _window_tokens(store: QuantizedTensor | None, window: torch.Tensor) -> torch.Tensor:
+def _window_tokens(store: Stored | None, window: torch.Tensor) -> torch.Tensor:
     """The tokens of a side's window: all of it for a side kept raw, else all but the spare
     rows."""
     return window if store is None else window.narrow(2, 0, window.shape[-2] - SPARE_ROWS)
 
 
-def _token_count(store: QuantizedTensor | None, window: torch.Tensor) -> int:
+def _token_count(store: Stored | None, window: torch.Tensor) -> int:
     """A side's tokens, read off shapes (no view of the window's tokens: traced, a tensor of
     0 or 1 rows would make dynamo specialise)."""
     if store is None:
@@ -216,7 +220,7 @@ def _token_count(store: QuantizedTensor | None, window: torch.Tensor) -> int:
     return token_count(store) + window.shape[-2] - SPARE_ROWS
 
 
-def _side(store: QuantizedTensor | None, window: torch.Tensor) -> torch.Tensor:
+def _side(store: Stored | None, window: torch.Tensor) -> torch.Tensor:
     """A side's tokens, dequantized: ``cat([lorc::dequantize(codes), window])`` cut to the
     tokens (the window's spare rows come last)."""
     if store is None:
@@ -224,7 +228,7 @@ def _side(store: QuantizedTensor | None, window: torch.Tensor) -> torch.Tensor:
     return torch.cat([dequantized(store), window], dim=-2).narrow(2, 0, _token_count(store, window))
 
 
-def _stored_tokens(store: QuantizedTensor | None) -> QuantizedTensor | None:
+def _stored_tokens(store: Stored | None) -> Stored | None:
     """The tokens of a store without its spare slots; ``None`` when it holds none."""
     tokens = token_count(store)
     return None if tokens == 0 else token_slots(store, tokens, tokens)

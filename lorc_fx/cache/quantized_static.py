@@ -45,7 +45,7 @@ import torch
 
 from .latent_ops import dequantized
 from .layers import LatentCodec, LatentStaticLayer
-from .quantize import QuantizedTensor, QuantSpec, quantize_groups
+from .quantize import ChannelSplit, QuantizedTensor, QuantSpec, SplitTensor, quantize_groups
 
 
 def _quantize_groups(x: torch.Tensor, valid: torch.Tensor | None, spec: QuantSpec,
@@ -114,8 +114,9 @@ class QuantizedLatentStaticLayer(LatentStaticLayer):
     nor batch repeat/select.
     """
 
-    def __init__(self, max_cache_len: int, bases: LatentCodec, k_spec: QuantSpec | None,
-                 v_spec: QuantSpec | None, logs_rotary: bool = False):
+    def __init__(self, max_cache_len: int, bases: LatentCodec,
+                 k_spec: QuantSpec | ChannelSplit | None, v_spec: QuantSpec | None,
+                 logs_rotary: bool = False):
         for spec in (k_spec, v_spec):
             if spec is not None and (not spec.quantized or spec.axis not in (-2, -1)):
                 raise ValueError("a quantized layer takes specs of fewer than 16 bits, per "
@@ -131,14 +132,24 @@ class QuantizedLatentStaticLayer(LatentStaticLayer):
         self.keys, self.k_codes = self._side(key_states, self.bases.k_basis, self.k_spec)
         self.values, self.v_codes = self._side(value_states, self.bases.v_basis, self.v_spec)
 
-    def _side(self, states: torch.Tensor, basis: torch.Tensor | None, spec: QuantSpec | None):
-        """One side's buffers: (its full-precision part, its codes or ``None``)."""
+    def _side(self, states: torch.Tensor, basis: torch.Tensor | None,
+              spec: QuantSpec | ChannelSplit | None):
+        """One side's buffers: (its full-precision part, its codes or ``None``). A channel
+        split's runs share one window and hold codes of their own channels each."""
         if spec is None:
             return self._buffer(states, basis, self.max_cache_len), None
         per_channel = spec.axis == -2
         window = self._buffer(states, basis, spec.group if per_channel else 0)
+        if isinstance(spec, ChannelSplit):
+            return window, SplitTensor(tuple(self._codes_of(window[..., at:at + c], states, part)
+                                             for at, c, part in spec.specs()), spec)
+        return window, self._codes_of(window, states, spec)
+
+    def _codes_of(self, window: torch.Tensor, states: torch.Tensor, spec: QuantSpec
+                  ) -> QuantizedTensor:
+        """Zeroed codes of one spec for the side whose full-precision part is ``window``."""
         b, h, _, d = window.shape
-        if per_channel:
+        if spec.axis == -2:
             lead = (b, h, d, -(-self.max_cache_len // spec.group) + 1)
         else:
             lead = (b, h, self.max_cache_len, -(-d // spec.group))
@@ -147,16 +158,15 @@ class QuantizedLatentStaticLayer(LatentStaticLayer):
         codes = QuantizedTensor(payload, states.new_zeros(lead, dtype=scale_dtype),
                                 states.new_zeros(lead, dtype=scale_dtype), spec,
                                 (b, h, self.max_cache_len, d), states.dtype)
-        return window, codes
+        return codes
 
-    def _codes(self) -> list[QuantizedTensor]:
+    def _codes(self) -> list[QuantizedTensor | SplitTensor]:
         return [q for q in (self.k_codes, self.v_codes) if q is not None]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer the layer holds: full-precision parts (plain buffers, windows),
         packed codes, scales, zero points."""
-        return [self.keys, self.values] + [t for q in self._codes()
-                                           for t in (q.payload, q.scale, q.zero)]
+        return [self.keys, self.values] + [t for q in self._codes() for t in q.tensors]
 
     def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sides over all ``max_cache_len`` tokens, a quantized one dequantized (one
@@ -164,10 +174,14 @@ class QuantizedLatentStaticLayer(LatentStaticLayer):
         read = lambda codes, full: full if codes is None else dequantized(codes)
         return read(self.k_codes, self.keys), read(self.v_codes, self.values)
 
-    def _write(self, codes: QuantizedTensor | None, full: torch.Tensor, states: torch.Tensor,
-               positions: torch.Tensor) -> None:
+    def _write(self, codes: QuantizedTensor | SplitTensor | None, full: torch.Tensor,
+               states: torch.Tensor, positions: torch.Tensor) -> None:
         if codes is None:
             full.index_copy_(2, positions, states)
+        elif isinstance(codes, SplitTensor):  # each run through its channels of the window
+            for (at, c, _), part in zip(codes.spec.specs(), codes.parts):
+                _write_per_channel(part, full[..., at:at + c], states[..., at:at + c],
+                                   self.cumulative_length)
         elif codes.spec.axis == -2:
             _write_per_channel(codes, full, states, self.cumulative_length)
         else:
@@ -201,7 +215,7 @@ class QuantizedLatentStaticLayer(LatentStaticLayer):
     def reset(self) -> None:
         super().reset()
         for q in self._codes():
-            for t in (q.payload, q.scale, q.zero):
+            for t in q.tensors:
                 t.zero_()
 
     def offload(self):

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "lorc_plan.safetensors"  # the file name used when a path names a directory
 FORMAT = "lorc_fx.plan"  # the metadata key, and the JSON's "format"
 # bump when what the file holds changes (2: bits_per_value, dtype_bits, kind; 3: a plain plan
-# stores values per token, KIVI's layout, where version 2 stored them per channel)
-VERSION = 3
+# stores values per token, KIVI's layout, where version 2 stored them per channel; 4: kind
+# keys_waterfilled, whose layers record their key rows' code widths)
+VERSION = 4
 _SAMPLES = 1024  # weight values hashed per tensor
 # config keys that loading or saving changes (``save_pretrained`` fills in ``architectures``
 # and ``dtype``); the parameters' names and shapes say which head the model has
@@ -174,6 +175,11 @@ def _layer(f, data: dict, source: Path) -> LayerPlan:
     data = dict(data)
     oblique = {side: data.pop(f"{side}_oblique") for side in ("k", "v")}
     data["rope"] = RopeLayout(**data["rope"])
+    data["k_bit_runs"] = tuple(tuple(run) for run in data.get("k_bit_runs", ()))
+    if sum(rows for rows, _ in data["k_bit_runs"]) not in (0, data["k_rank"]):
+        raise PlanFileError(f"plan file {source}: layer {data['layer']}'s key code widths "
+                            f"cover {sum(rows for rows, _ in data['k_bit_runs'])} rows of "
+                            f"{data['k_rank']}")
     for side in ("k", "v"):
         shape = (data[f"{side}_rank"], data[f"{side}_full"])
         basis = _tensor(f, f"{data['layer']}.{side}_basis", shape, source)

@@ -145,6 +145,10 @@ class LayerPlan:
     k_compressible: bool = True  # False: keys stay raw (e.g. a norm between projection and cache)
     v_compressible: bool = True
     note: str = ""
+    # a plan of kind "keys_waterfilled": the key latent's rows in runs of one code width,
+    # (rows, bits) in basis order, quantized per channel over groups of k_group tokens
+    k_bit_runs: tuple[tuple[int, int], ...] = ()
+    k_group: int = 0
 
     @property
     def compressed(self) -> bool:
@@ -153,7 +157,7 @@ class LayerPlan:
     def summary(self) -> dict:
         keys = ("layer", "k_rank", "v_rank", "k_full", "v_full", "skipped", "kappa_k",
                 "kappa_v", "log_kappa_cum", "k_latent_of", "k_energy_kept", "v_energy_kept",
-                "note")
+                "note", "k_bit_runs", "k_group")
         out = {k: getattr(self, k) for k in keys}
         out["rope"] = asdict(self.rope)
         return out
@@ -176,8 +180,10 @@ class Plan:
     # ratio measured per fraction tried (``lorc_fx.search.fraction.FractionSearch.to_json``)
     fraction_search: dict | None = None
     dtype_bits: int = 16  # bits of the model's floats: what the cache stores unquantized
-    # "low_rank", or "plain": every layer full width with identity bases, i.e. plain KV-cache
-    # quantization (``plain_quantized_plan``)
+    # "low_rank"; "plain": every layer full width with identity bases, i.e. plain KV-cache
+    # quantization (``plain_quantized_plan``); "keys_waterfilled": key latents (before RoPE)
+    # with a code width per row (``LayerPlan.k_bit_runs``), values the plain plan's
+    # (``plan.bit_allocation``)
     kind: str = "low_rank"
     # the candidates the bit-width search measured (``lorc_fx.search.bits``), best first
     candidates: list[dict] = field(default_factory=list)
@@ -222,23 +228,38 @@ class Plan:
         -2 per channel over groups of ``group`` tokens, -1 per token over groups of ``group``
         channels; ``group`` None where the side stays in the model's dtype (latents not
         quantized, a skipped layer, a raw or zero-wide side). Latents go per channel; a plain
-        plan's keys per channel and values per token within each head (KIVI's layout)."""
+        plan's keys per channel and values per token within each head (KIVI's layout); a
+        keys_waterfilled plan's keys per channel over ``k_group`` tokens, values as a plain
+        plan's."""
         o = self.options
         if o.latent_bits == 16 or layer.skipped:
             return (None, -2), (None, -2)
         if self.kind == "plain":
             return (o.latent_group, -2), (value_token_group(layer.head_dim, o.latent_group), -1)
+        if self.kind == "keys_waterfilled":
+            return ((layer.k_group if layer.k_bit_runs else None, -2),
+                    (value_token_group(layer.head_dim, o.latent_group)
+                     if layer.v_compressible else None, -1))
         side = lambda compressible, rank: (o.latent_group if compressible and rank else None, -2)
         return side(layer.k_compressible, layer.k_rank), side(layer.v_compressible, layer.v_rank)
 
+    def code_runs(self, layer: LayerPlan) -> list[tuple[int, int, int]]:
+        """``(elements, bits, group)`` per token of each run of ``layer``'s codes
+        (``side_groups``): one per quantized side at ``options.latent_bits``, the key runs
+        of a keys_waterfilled plan at their own widths."""
+        out = []
+        for (group, _), rank, side in zip(self.side_groups(layer), (layer.k_rank, layer.v_rank),
+                                          "kv"):
+            if group and side == "k" and layer.k_bit_runs:
+                out += [(rows, bits, group) for rows, bits in layer.k_bit_runs]
+            elif group:
+                out.append((rank, self.options.latent_bits, group))
+        return out
+
     def quantized_elements_per_token(self) -> int:
-        """Elements per token the cache stores as ``options.latent_bits``-bit codes
-        (``side_groups``); 0 when nothing is quantized."""
-        total = 0
-        for l in self.layers:
-            (k_group, _), (v_group, _) = self.side_groups(l)
-            total += (l.k_rank if k_group else 0) + (l.v_rank if v_group else 0)
-        return total
+        """Elements per token the cache stores as codes (``code_runs``); 0 when nothing is
+        quantized."""
+        return sum(rows for l in self.layers for rows, _, _ in self.code_runs(l))
 
     def bits_per_token(self, float_bits: int) -> float:
         """Bits the cache holds per token per sequence where a stored float has
@@ -249,9 +270,8 @@ class Plan:
         _, kept = self.cache_elements_per_token()
         bits = kept * float_bits
         for l in self.layers:
-            for (group, _), rank in zip(self.side_groups(l), (l.k_rank, l.v_rank)):
-                if group:
-                    bits += rank * (self.options.latent_bits + 2 * SCALE_BITS / group - float_bits)
+            for rows, code_bits, group in self.code_runs(l):
+                bits += rows * (code_bits + 2 * SCALE_BITS / group - float_bits)
         return bits
 
     def cache_bytes_per_token(self, dtype_bytes: int) -> tuple[int, float]:
@@ -378,6 +398,12 @@ def _value_spectrum(layer: LayerInput) -> Spectrum:
     if given is not None:
         return given
     return _per_shard(layer, layer.v_weight, lambda w, heads: real_spectrum(w, layer.input_gram))
+
+
+def key_energies(layers: list[LayerInput], options: PlanOptions) -> list[torch.Tensor]:
+    """Each layer's key spectrum energies under ``options``' RoPE mode: the error of dropping
+    each row of the basis ``plan_layers`` gives it, in one unit across layers."""
+    return [_key_spectrum(l, options.rope).energy for l in layers]
 
 
 def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[float]:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from lorc_fx.plan.bit_allocation import KEY_GROUP, KEY_WIDTHS
 from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.schedules import UnreachableFraction
 
@@ -50,11 +51,18 @@ class Candidate:
     latent_bits: int
     latent_group: int = 32  # tokens per scale and zero point (no meaning at 16 bits)
     plain: bool = False  # plain KV-cache quantization: full width, identity bases
+    # keys water-filled over code widths (``plan.bit_allocation``), values as plain
+    # quantization's at latent_bits / latent_group
+    keys_waterfilled: bool = False
 
     @property
     def name(self) -> str:
         if self.plain:
             return f"plain KV quantization, {self.latent_bits}-bit, G{self.latent_group}"
+        if self.keys_waterfilled:
+            widths = "/".join(str(b) for b in KEY_WIDTHS)
+            return (f"keys water-filled over {widths}-bit rows (G{KEY_GROUP}), values "
+                    f"{self.latent_bits}-bit per token (G{self.latent_group})")
         bits = ("16-bit latents" if self.latent_bits == 16
                 else f"{self.latent_bits}-bit latents, G{self.latent_group}")
         return f"low rank, {bits}, rope={self.rope}"
@@ -63,13 +71,17 @@ class Candidate:
 def candidates(modes: list[str], bit_choices: tuple[int, ...], groups: tuple[int, ...],
                plain: bool) -> list[Candidate]:
     """(``plain``) plain quantization at each width below 16, widest first, and each group
-    (largest first: fewest bytes); then every RoPE mode at every bit width (below 16 bits
-    with every group size, the first group first)."""
+    (largest first: fewest bytes), then (``plain``, 4-bit values and the ``reconstruct`` mode
+    among ``modes``) keys water-filled beside 4-bit values in the largest group; then every
+    RoPE mode at every bit width (below 16 bits with every group size, the first group
+    first)."""
     out = []
     if plain:
         out += [Candidate("commute", bits, group, True)
                 for bits in sorted((b for b in bit_choices if b != 16), reverse=True)
                 for group in sorted(groups, reverse=True)]
+        if 4 in bit_choices and "reconstruct" in modes:
+            out.append(Candidate("reconstruct", 4, max(groups), keys_waterfilled=True))
     return out + [Candidate(mode, bits, group) for mode in modes for bits in bit_choices
                   for group in (groups if bits != 16 else groups[:1])]
 
@@ -113,7 +125,8 @@ def best_candidate(build: Callable[[Candidate], tuple[Plan, float | None]],
     best = planned[0][2]
     if len(listed) > 1:
         best.candidates = [{"candidate": c.name, "rope": c.rope, "latent_bits": c.latent_bits,
-                            "latent_group": c.latent_group, "plain": c.plain, "loss": None if math.isinf(loss) else loss,
+                            "latent_group": c.latent_group, "plain": c.plain,
+                            "keys_waterfilled": c.keys_waterfilled, "loss": None if math.isinf(loss) else loss,
                             "bits_per_value": p.bits_per_value,
                             "cache_fraction": p.cache_fraction} for loss, c, p in planned]
     return best, planned[0][0]

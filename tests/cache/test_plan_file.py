@@ -168,6 +168,7 @@ def _rewrite_metadata(path, edit):
     ("tensor_gone", "lacks the tensor '0.k_basis'"),
     ("wrong_shape", r"tensor '1.v_basis' is torch.float64 \(3, 32\), the plan says"),
     ("field_gone", "corrupt or not a plan file"),
+    ("widths_short", "layer 0's key code widths cover 1 rows of"),
 ])
 def test_a_missing_or_damaged_file_is_a_clear_error_naming_it(damage, message, saved, tmp_path,
                                                               forbid_planning):
@@ -194,6 +195,8 @@ def test_a_missing_or_damaged_file_is_a_clear_error_naming_it(damage, message, s
         _rewrite_metadata(path, lambda d, t: t.update({"1.v_basis": torch.zeros(3, 32).double()}))
     elif damage == "field_gone":
         _rewrite_metadata(path, lambda d, t: d["layers"][0].pop("k_rank"))
+    elif damage == "widths_short":
+        _rewrite_metadata(path, lambda d, t: d["layers"][0].update(k_bit_runs=[[1, 4]]))
     error = FileNotFoundError if damage == "missing" else PlanFileError
     with pytest.raises(error, match=message) as info:
         lorc_fx.compress(model, plan=path, blocks=blocks)

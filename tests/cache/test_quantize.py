@@ -5,8 +5,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lorc_fx.cache.quantize import (QuantSpec, dequantize, pack_bits, pack_int4, quantize,
-                                    round_to, unpack_bits, unpack_int4)
+from lorc_fx.cache.quantize import (ChannelSplit, QuantSpec, SplitTensor, dequantize, map_batch,
+                                    pack_bits, pack_int4, quantize, round_to, token_count,
+                                    token_slots, unpack_bits, unpack_int4)
 
 QUANT_BITS = (2, 3, 4, 8)
 
@@ -193,3 +194,51 @@ def test_invalid_specs_and_inputs():
         quantize(torch.tensor([[-1e6, 0.0]]), QuantSpec(8, 2, -1, torch.float16))
     with pytest.raises(ValueError):
         QuantSpec(16).bytes_per_value()
+
+
+# ---------------------------------------------------------------- channels split by width
+
+@st.composite
+def splits(draw):
+    """A channel split of 1-4 runs of 1-5 channels at widths of QUANT_BITS, one group size
+    that holds whole bytes of every width."""
+    runs = tuple((draw(st.integers(1, 5)), draw(st.sampled_from(QUANT_BITS)))
+                 for _ in range(draw(st.integers(1, 4))))
+    group = 8 * draw(st.integers(1, 3))
+    return ChannelSplit(runs, group, draw(st.sampled_from((None, torch.float16))))
+
+
+@settings(max_examples=40, deadline=None)
+@given(split=splits(), tokens=st.integers(1, 40), seed=st.integers(0, 2 ** 31 - 1))
+def test_a_channel_split_is_its_runs_quantized_alone(split, tokens, seed):
+    """Each run's codes are those of its channels quantized by its own spec, bit for bit;
+    bytes are measured as predicted; the token-axis functions act run by run."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 1, tokens, split.width, generator=gen) * torch.logspace(1, -2, split.width)
+    q = quantize(x, split)
+    assert isinstance(q, SplitTensor) and q.shape == tuple(x.shape)
+    parts = []
+    for (at, channels, spec), part in zip(split.specs(), q.parts):
+        alone = quantize(x[..., at:at + channels], spec)
+        assert all(torch.equal(a, b) for a, b in zip(part.tensors, alone.tensors))
+        parts.append(dequantize(alone))
+    assert torch.equal(dequantize(q), torch.cat(parts, dim=-1))
+    assert q.nbytes == split.nbytes(x.shape, x.dtype)
+    whole = tokens // split.group * split.group
+    if whole:
+        cut = token_slots(q, whole, whole)
+        assert token_count(cut) == whole
+        assert torch.equal(dequantize(cut), dequantize(q)[..., :whole, :])
+    picked = map_batch(q, lambda t: t[1:])
+    assert torch.equal(dequantize(picked), dequantize(q)[1:])
+
+
+def test_a_channel_split_refuses_what_it_cannot_store():
+    with pytest.raises(ValueError, match="at least one channel"):
+        ChannelSplit((), 8)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        ChannelSplit(((2, 5),), 8)
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        ChannelSplit(((2, 3),), 4)
+    with pytest.raises(ValueError, match="cannot hold 3"):
+        quantize(torch.zeros(1, 1, 8, 3), ChannelSplit(((2, 4),), 8))

@@ -22,6 +22,13 @@ def test_the_candidates_hold_plain_quantization_at_each_width_and_group():
     # the first group of a width comes first: its measured split is reused by the others
     assert [c.latent_group for c in listed if c.latent_bits == 8 and not c.plain] == [32, 64] * 2
     assert not any(c.plain for c in candidates(["commute"], (16,), (32,), plain=False))
+    # keys water-filled beside 4-bit values: right after the plain ones, where reconstruct
+    # mode and 4 bits are searched
+    (waterfilled,) = [c for c in listed if c.keys_waterfilled]
+    assert listed.index(waterfilled) == 4 and waterfilled.rope == "reconstruct"
+    assert (waterfilled.latent_bits, waterfilled.latent_group) == (4, 64)
+    assert not any(c.keys_waterfilled for c in candidates(["commute"], (16, 8, 4), (32, 64), True))
+    assert not any(c.keys_waterfilled for c in candidates(["reconstruct"], (16, 8), (64,), True))
 
 
 def _plan(bits: int, budget: float = 8.0):
@@ -124,3 +131,24 @@ def test_a_plain_candidate_within_noise_of_the_full_model_ends_the_search(model,
                                   "no low rank: keys (after RoPE) and values stored as 8-bit")
     full = calibration_loss(model, blocks, None, held_out_windows(model, report.plan.options))
     assert only["loss"] <= full + 1.0
+
+
+def test_a_bit_budget_measures_keys_water_filled_beside_plain_values(model, tmp_path,
+                                                                      monkeypatch):
+    """With reconstruct mode searched the water-filled keys are a measured candidate; where
+    it wins, the plan kept is of its kind and its recorded loss is its own."""
+    from lorc_fx.analysis import analyze
+    from lorc_fx.search.split import held_out_loss
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("lorc_fx.api.NEGLIGIBLE_LOSS", -math.inf)
+    blocks = analyze(model)
+    report = compress(model, bits_per_value=7.0, basis="weight", schedule="uniform",
+                      rope="reconstruct", blocks=blocks, progress=False)
+    measured = {c["candidate"]: c for c in report.plan.candidates}
+    (name,) = [n for n, c in measured.items() if c["keys_waterfilled"]]
+    assert measured[name]["bits_per_value"] <= 7.0 + 1e-9
+    if report.plan.kind == "keys_waterfilled":
+        assert math.isclose(held_out_loss(model, blocks, report.plan), measured[name]["loss"],
+                            rel_tol=1e-9)
+        assert "keys water-filled" in str(report)
