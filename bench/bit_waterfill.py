@@ -1,5 +1,6 @@
 """Bits per latent channel by reverse water-filling (issue #13):
-an exploration, not wired into the planner. Results: bench/results/bit_waterfill-cpu.md.
+an exploration (its keys-only 4.5-bit allocation is now the planner's ``keys_waterfilled``
+plan, ``lorc_fx.plan.bit_allocation``). Results: bench/results/bit_waterfill-cpu.md.
 
     OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 2.56,1.92 \
         --widths 4 --widths 2.4.8 --key-shares 0.3,0.4,0.5 [--sets self_held,news,austen,poems]
@@ -38,7 +39,6 @@ news, Austen and poems are evaluated only.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
 import os
@@ -56,6 +56,7 @@ from lorc_fx.cache.latent_ops import project_math, reconstruct_math  # noqa: E40
 from lorc_fx.cache.quantize import QuantSpec, fake_quantize  # noqa: E402
 from lorc_fx.cache.rotary import rotate  # noqa: E402
 from lorc_fx.eval.evaluate import evaluation_windows  # noqa: E402
+from lorc_fx.plan.bit_allocation import allocate as water_fill  # noqa: E402
 from lorc_fx.plan.planner import _key_spectrum, _value_spectrum  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -142,50 +143,10 @@ def spectra(model, blocks):
 
 
 def allocate(energies, rho, budget, widths, group):
-    """Bits per channel of each entry of ``energies`` (a list of (r,) tensors) spending at most
-    ``budget`` bits per token: greedy over each channel's lower convex hull of (cost, error),
-    costs ``b + 32/group`` for ``b > 0``."""
-    over = 32 / group
-    hulls = []
-    for e, r in zip(energies, rho):
-        for c in range(len(e)):
-            pts = [(0.0, float(e[c]), 0)] + [(b + over, float(e[c] * r[b][c]), b) for b in widths]
-            hull = [pts[0]]
-            for p in sorted(pts[1:]):
-                if p[1] >= hull[-1][1]:
-                    continue
-                while len(hull) >= 2 and ((hull[-1][1] - p[1]) * (hull[-1][0] - hull[-2][0])
-                                          >= (hull[-2][1] - hull[-1][1]) * (p[0] - hull[-1][0])):
-                    hull.pop()
-                hull.append(p)
-            hulls.append(hull)
-    step = [0] * len(hulls)
-    heap = []
-
-    def push(i):
-        h, s = hulls[i], step[i]
-        if s + 1 < len(h):
-            gain = (h[s][1] - h[s + 1][1]) / (h[s + 1][0] - h[s][0])
-            heapq.heappush(heap, (-gain, i))
-
-    for i in range(len(hulls)):
-        push(i)
-    spent = 0.0
-    while heap:
-        _, i = heapq.heappop(heap)
-        h, s = hulls[i], step[i]
-        extra = h[s + 1][0] - h[s][0]
-        if spent + extra > budget + 1e-9:
-            continue  # this channel's next step does not fit; cheaper steps of others may
-        spent += extra
-        step[i] += 1
-        push(i)
-    flat = [hulls[i][step[i]][2] for i in range(len(hulls))]
-    out, at = [], 0
-    for e in energies:
-        out.append(flat[at:at + len(e)])
-        at += len(e)
-    return out, spent
+    """The planner's water-filling (``plan.bit_allocation.allocate``) and the bits per token
+    it spends."""
+    bits = water_fill(energies, rho, budget, widths, group)
+    return bits, sum(b + 32 / group for layer in bits for b in layer if b)
 
 
 def plan_bits(k_spectra, v_spectra, stats, target, key_share, widths, group, values_per_token,
