@@ -121,8 +121,11 @@ def keys_waterfilled_plan(full: Plan, energies: list[torch.Tensor],
             l.head_dim, options.latent_group)
         fixed += l.v_full * (float_bits if l.skipped or not l.v_compressible else value_bits)
     picked = [i for i, l in enumerate(full.layers) if not l.skipped and l.k_compressible]
+    if not picked:
+        raise UnreachableFraction("keys water-filled: no layer caches key latents (keys behind "
+                                  "a norm or layers kept full)", 0.0)
     keys = budget * values_per_token - fixed
-    if keys <= 0 or not picked:
+    if keys <= 0:
         raise UnreachableFraction("keys water-filled beside quantized values: the values alone "
                                   "fill the budget", 0.0)
     bits = allocate([energies[i] for i in picked], [rho[i] for i in picked], keys, widths,

@@ -22,6 +22,7 @@ from lorc_fx.cache.quantized_static import QuantizedLatentStaticLayer
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.bit_allocation import keys_waterfilled_plan
 from lorc_fx.plan.planner import key_energies, layer_inputs
+from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.search.key_bits import rounding_errors
 from helpers.families import VOCAB, build, config_for
 from helpers.pass_helpers import compiled, generate, prompt
@@ -35,15 +36,21 @@ def model():
     return build(config_for("llama", heads=4, kv_heads=2, layers=2))
 
 
-@pytest.fixture(scope="module")
-def plan(model):
+def waterfilled(model, budget: float = BUDGET):
+    """The keys_waterfilled plan of ``model`` at ``budget`` bits per value, from its
+    full-rank weight basis, rounding errors measured on random tokens."""
     full = compress(model, 1.0, schedule="uniform", basis="weight", rope="reconstruct").plan
     blocks = analyze(model)
     windows = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     rho = rounding_errors(model, blocks, full, windows, WIDTHS, GROUP)
     energies = key_energies(layer_inputs(named_params(model), blocks), full.options)
-    options = replace(full.options, bits_per_value=BUDGET, latent_bits=4, latent_group=64)
+    options = replace(full.options, bits_per_value=budget, latent_bits=4, latent_group=64)
     return keys_waterfilled_plan(full, energies, rho, options, WIDTHS, GROUP)
+
+
+@pytest.fixture(scope="module")
+def plan(model):
+    return waterfilled(model)
 
 
 def test_the_plan_keeps_rows_in_runs_of_one_width_within_the_budget(plan):
@@ -129,3 +136,30 @@ def test_inductor_generate_matches_eager(model, plan):
     assert torch.equal(got.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(eager.logits),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "phi3", "gpt2"])
+def test_other_families_cache_what_they_plan_and_compile_to_the_eager_tokens(family):
+    """Partial RoPE (half the dims rotated), no RoPE (keys' latents after the projection):
+    whole groups hold the plan's bytes, and the compiled decode gives the eager tokens."""
+    model = build(config_for(family, heads=4, kv_heads=4, layers=2, rotary=0.5))
+    plan = waterfilled(model, budget=8.0)
+    assert all(l.k_bit_runs for l in plan.layers)
+    report = compress(model, plan=plan)
+    cache = latent_cache(model)
+    with torch.no_grad():
+        model(torch.randint(3, VOCAB, (2, 2 * GROUP)), past_key_values=cache, use_cache=True,
+              position_ids=torch.arange(2 * GROUP).expand(2, -1))  # angles per row, as generate
+    assert cache.cache_bytes() == 2 * 2 * GROUP * report.cache_bytes_per_token()[1]
+    ids, mask = prompt(length=6)
+    eager = generate(model, ids, mask, new_tokens=20)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        got = generate(model, ids, mask, new_tokens=20)
+    assert torch.equal(got.sequences, eager.sequences)
+
+
+def test_keys_behind_a_norm_leave_nothing_to_water_fill():
+    """Keys behind a norm stay raw under a weight basis: the plan is refused, said so."""
+    model = build(config_for("qwen3"))
+    with pytest.raises(UnreachableFraction, match="no layer caches key latents"):
+        waterfilled(model)
