@@ -188,10 +188,7 @@ def main() -> None:
         if plan.kind == "plain":
             choice = f"plain int{o.latent_bits}{group}"
         elif plan.kind == "keys_waterfilled":
-            rows = {}
-            for layer in plan.layers:
-                for count, bits in layer.k_bit_runs:
-                    rows[bits] = rows.get(bits, 0) + count
+            rows = plan.key_rows_per_width()
             keys = " / ".join(f"{rows[b]}×{b}" for b in sorted(rows, reverse=True))
             choice = (f"keys water-filled ({keys}-bit rows of "
                       f"{sum(l.k_full for l in plan.layers)}, G{plan.layers[0].k_group}), "

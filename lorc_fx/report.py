@@ -66,10 +66,7 @@ def plan_table(plan: Plan) -> str:
 
 def _waterfilled_description(plan: Plan) -> str:
     """The code widths of a keys_waterfilled plan, in words."""
-    rows: dict[int, int] = {}
-    for l in plan.layers:
-        for count, bits in l.k_bit_runs:
-            rows[bits] = rows.get(bits, 0) + count
+    rows = plan.key_rows_per_width()
     full = sum(l.k_full for l in plan.layers if l.k_bit_runs)
     widths = ", ".join(f"{rows[b]} at {b} bits" for b in sorted(rows, reverse=True))
     groups = sorted({l.k_group for l in plan.layers if l.k_bit_runs})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import replace
+from itertools import groupby
 
 import torch
 
@@ -84,16 +85,11 @@ def allocate(energies: list[torch.Tensor], rho: list[dict[int, torch.Tensor]], b
 def _keys(layer: LayerPlan, bits: list[int], energy: torch.Tensor, group: int) -> LayerPlan:
     """``layer`` keeping its key rows of nonzero ``bits``, widest first."""
     order = sorted((c for c, b in enumerate(bits) if b), key=lambda c: -bits[c])
-    runs: list[tuple[int, int]] = []
-    for c in order:
-        if runs and runs[-1][1] == bits[c]:
-            runs[-1] = (runs[-1][0] + 1, bits[c])
-        else:
-            runs.append((1, bits[c]))
+    runs = tuple((len(list(rows)), b) for b, rows in groupby(bits[c] for c in order))
     index = torch.tensor(order, dtype=torch.long)
     total = float(energy.sum())
     return replace(layer, k_rank=len(order), k_basis=layer.k_basis[index],
-                   k_rebuild=layer.k_rebuild[index], k_bit_runs=tuple(runs), k_group=group,
+                   k_rebuild=layer.k_rebuild[index], k_bit_runs=runs, k_group=group,
                    k_energy_kept=float(energy[index].sum()) / total if total > 0 else 1.0)
 
 

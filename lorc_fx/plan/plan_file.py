@@ -176,10 +176,10 @@ def _layer(f, data: dict, source: Path) -> LayerPlan:
     oblique = {side: data.pop(f"{side}_oblique") for side in ("k", "v")}
     data["rope"] = RopeLayout(**data["rope"])
     data["k_bit_runs"] = tuple(tuple(run) for run in data.get("k_bit_runs", ()))
-    if sum(rows for rows, _ in data["k_bit_runs"]) not in (0, data["k_rank"]):
+    covered = sum(rows for rows, _ in data["k_bit_runs"])
+    if covered not in (0, data["k_rank"]):
         raise PlanFileError(f"plan file {source}: layer {data['layer']}'s key code widths "
-                            f"cover {sum(rows for rows, _ in data['k_bit_runs'])} rows of "
-                            f"{data['k_rank']}")
+                            f"cover {covered} rows of {data['k_rank']}")
     for side in ("k", "v"):
         shape = (data[f"{side}_rank"], data[f"{side}_full"])
         basis = _tensor(f, f"{data['layer']}.{side}_basis", shape, source)

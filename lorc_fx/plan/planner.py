@@ -247,14 +247,23 @@ class Plan:
         """``(elements, bits, group)`` per token of each run of ``layer``'s codes
         (``side_groups``): one per quantized side at ``options.latent_bits``, the key runs
         of a keys_waterfilled plan at their own widths."""
+        (k_group, _), (v_group, _) = self.side_groups(layer)
+        bits = self.options.latent_bits
         out = []
-        for (group, _), rank, side in zip(self.side_groups(layer), (layer.k_rank, layer.v_rank),
-                                          "kv"):
-            if group and side == "k" and layer.k_bit_runs:
-                out += [(rows, bits, group) for rows, bits in layer.k_bit_runs]
-            elif group:
-                out.append((rank, self.options.latent_bits, group))
+        if k_group:
+            out += [(rows, b, k_group) for rows, b in layer.k_bit_runs or [(layer.k_rank, bits)]]
+        if v_group:
+            out.append((layer.v_rank, bits, v_group))
         return out
+
+    def key_rows_per_width(self) -> dict[int, int]:
+        """Key latent rows stored at each code width, all layers (a keys_waterfilled plan's
+        ``k_bit_runs``; empty for other plans)."""
+        rows: dict[int, int] = {}
+        for layer in self.layers:
+            for count, bits in layer.k_bit_runs:
+                rows[bits] = rows.get(bits, 0) + count
+        return rows
 
     def quantized_elements_per_token(self) -> int:
         """Elements per token the cache stores as codes (``code_runs``); 0 when nothing is
