@@ -315,10 +315,16 @@ def quantize_groups(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: i
     """Packed ``bits``-bit codes, scales and zero points (in ``scale_dtype``) of the float32
     groups ``g (..., groups, group)``, each spanning ``[lo, hi]``: the arithmetic every
     quantized tensor and cache here shares, so their codes agree bit for bit."""
+    zero, scale = zero_and_scale(lo, hi, (1 << bits) - 1, scale_dtype)
+    return encode(g, zero, scale, bits), scale.to(scale_dtype), zero.to(scale_dtype)
+
+
+def encode(g: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed ``bits``-bit codes of the float32 groups ``g (..., groups, group)`` under their
+    (float32) ``zero`` points and ``scale``\ s ``(..., groups)``."""
     levels = (1 << bits) - 1
-    zero, scale = zero_and_scale(lo, hi, levels, scale_dtype)
     codes = torch.round((g - zero[..., None]) / scale[..., None]).clamp_(0, levels)
-    return pack_bits(codes.to(torch.uint8), bits), scale.to(scale_dtype), zero.to(scale_dtype)
+    return pack_bits(codes.to(torch.uint8), bits)
 
 
 def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -21,7 +21,7 @@ from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
 from lorc_fx.cache.layers import LatentStaticLayer
-from lorc_fx.cache.quantize import QuantSpec, quantize
+from lorc_fx.cache.quantize import QuantizedTensor, QuantSpec, quantize
 from lorc_fx.cache.quantized_static import QuantizedLatentStaticLayer
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.options import PlanOptions
@@ -192,13 +192,19 @@ def test_a_write_past_max_cache_len_fails_loudly():
 def test_16_bit_scales_compile_to_the_eager_codes(dtype):
     """Inductor elides a float round trip through a 16-bit dtype and steps ``nextafter`` in
     float32; the layer's rounding survives both, so compiled codes are eager's, bit for bit."""
-    from lorc_fx.cache.quantized_static import _quantize_groups
+    from lorc_fx.cache.quantized_static import _write_groups
 
     spec = QuantSpec.per_channel(8, 32)
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(16, 64, 32, generator=gen) * torch.rand(16, 64, 1, generator=gen)
          + 100 * torch.randn(16, 64, 1, generator=gen)).to(dtype)  # ranges small to |zero|
-    quantized = lambda t: _quantize_groups(t, None, spec, dtype)
+
+    def quantized(t):
+        codes = QuantizedTensor(t.new_zeros(16, 64, 32, dtype=torch.uint8), t.new_zeros(16, 64),
+                                t.new_zeros(16, 64), spec, (16, 32, 64), dtype)
+        _write_groups(codes, t, None, 1, torch.arange(64))
+        return codes.payload, codes.scale, codes.zero
+
     eager = quantized(x)
     torch._dynamo.reset()
     compiled = torch.compile(quantized)(x)
