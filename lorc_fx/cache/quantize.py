@@ -391,7 +391,8 @@ def token_count(q: QuantizedTensor | SplitTensor | None) -> int:
     return 0 if q is None else q.shape[2]
 
 
-def token_slots(q: QuantizedTensor, tokens: int, slots: int, copy: bool = False) -> QuantizedTensor:
+def token_slots(q: QuantizedTensor | SplitTensor, tokens: int, slots: int,
+                copy: bool = False) -> QuantizedTensor | SplitTensor:
     """``q`` standing for its first ``tokens`` tokens, its tensors cut to ``slots`` token slots
     (``tokens`` or more, per channel whole groups): a view, or a copy."""
     if isinstance(q, SplitTensor):
@@ -404,8 +405,8 @@ def token_slots(q: QuantizedTensor, tokens: int, slots: int, copy: bool = False)
                            q.spec, (*q.shape[:2], tokens, q.shape[3]), q.dtype)
 
 
-def splice_tokens(q: QuantizedTensor, new: QuantizedTensor, tokens: int,
-                  slots: int) -> QuantizedTensor:
+def splice_tokens(q: QuantizedTensor | SplitTensor, new: QuantizedTensor | SplitTensor,
+                  tokens: int, slots: int) -> QuantizedTensor | SplitTensor:
     """``q``'s tokens followed by ``new``'s codes, standing for ``tokens`` tokens in ``slots``
     token slots (a view of one new tensor; the slots past ``q``'s tokens and ``new``'s hold
     whatever was there; ``slots`` at most ``q``'s slots plus ``new``'s). Every size is
@@ -428,7 +429,8 @@ def splice_tokens(q: QuantizedTensor, new: QuantizedTensor, tokens: int,
                            (*q.shape[:2], tokens, q.shape[3]), q.dtype)
 
 
-def map_batch(q: QuantizedTensor | None, fn) -> QuantizedTensor | None:
+def map_batch(q: QuantizedTensor | SplitTensor | None, fn
+              ) -> QuantizedTensor | SplitTensor | None:
     """``q`` with ``fn`` (an operation on the batch axis 0) applied to its tensors."""
     if q is None:
         return None

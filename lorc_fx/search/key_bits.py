@@ -12,16 +12,15 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.cache.latent_cache import scale_dtype
 from lorc_fx.cache.quantize import QuantSpec, fake_quantize
 from lorc_fx.plan.bit_allocation import KEY_GROUP, KEY_WIDTHS, keys_waterfilled_plan
 from lorc_fx.plan.calibration import calibration_tokenizer, calibration_windows
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, key_energies, plan_layers
+from lorc_fx.search.windows import through_cache
 
 ERROR_TOKENS = 4096  # calibration tokens the rounding errors are measured on
 
@@ -33,25 +32,20 @@ def rounding_errors(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
     """Per layer of ``full`` (a full-rank, unquantized plan), per width of ``widths``, each
     key latent row's squared rounding error over its squared values (per channel, groups of
     ``group`` tokens) on ``windows``; an empty dict for a layer without key latents."""
-    device = next(model.parameters()).device
-    config = model.config.get_text_config(decoder=True)
     scales = scale_dtype(full) or next(model.parameters()).dtype
     power: dict[int, torch.Tensor] = {}
     error: dict[tuple[int, int], torch.Tensor] = {}
-    with angles_handed(model, blocks, full):
-        for batch in windows.split(2):
-            cache = LatentCache.from_cache(DynamicCache(config=config), full)
-            model(batch.to(device), use_cache=True, past_key_values=cache)
-            for l in full.layers:
-                if l.skipped or not l.k_compressible:
-                    continue
-                latent = cache.layers[l.layer].keys  # (b, 1, n, r): unquantized at full rank
-                z = latent.double()
-                power[l.layer] = power.get(l.layer, 0) + (z ** 2).sum((0, 1, 2))
-                for bits in widths:
-                    spec = QuantSpec.per_channel(bits, group, scales)
-                    err = fake_quantize(latent, spec)[0].double() - z
-                    error[l.layer, bits] = error.get((l.layer, bits), 0) + (err ** 2).sum((0, 1, 2))
+    for _, _, cache in through_cache(model, blocks, full, windows):
+        for l in full.layers:
+            if l.skipped or not l.k_compressible:
+                continue
+            latent = cache.layers[l.layer].keys  # (b, 1, n, r): unquantized at full rank
+            z = latent.double()
+            power[l.layer] = power.get(l.layer, 0) + (z ** 2).sum((0, 1, 2))
+            for bits in widths:
+                spec = QuantSpec.per_channel(bits, group, scales)
+                err = fake_quantize(latent, spec)[0].double() - z
+                error[l.layer, bits] = error.get((l.layer, bits), 0) + (err ** 2).sum((0, 1, 2))
     return [{bits: (error[l.layer, bits] / power[l.layer].clamp_min(1e-30)).cpu()
              for bits in widths} if l.layer in power else {} for l in full.layers]
 

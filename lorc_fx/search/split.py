@@ -16,41 +16,31 @@ from dataclasses import asdict, replace
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.allocation import feasible_key_fractions
 from lorc_fx.plan.calibration import (calibration_tokenizer, calibration_windows,
                                       model_fingerprint, sampling_key)
 from lorc_fx.plan.options import CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers, process_plan
+from lorc_fx.search.windows import through_cache
 
 _FORMAT = 4  # bump when the bases change: cached splits were measured with the old ones
 SEARCH_TOKENS = 2048  # 4 windows of 512: the losses of neighbouring splits differ by ~0.01 nat
 
 
-@torch.no_grad()
 def calibration_loss(model: nn.Module, blocks: list[AttentionBlock], plan: Plan | None,
                      windows: torch.Tensor) -> float:
     """Mean next-token loss over ``windows``; with a ``plan`` (of ``blocks``, whose attention
     hands pre-RoPE latents their angles), through its latent cache."""
-    device = next(model.parameters()).device
-    config = model.config.get_text_config(decoder=True)
     total, count = 0.0, 0
     plan = None if plan is None else process_plan(plan, blocks)
-    with angles_handed(model, blocks, plan):
-        for batch in windows.split(2):
-            batch = batch.to(device)
-            kwargs = {"use_cache": False}
-            if plan is not None:
-                cache = LatentCache.from_cache(DynamicCache(config=config), plan)
-                kwargs = {"use_cache": True, "past_key_values": cache}
-            logits = model(batch, **kwargs).logits[:, :-1].float()
-            total += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
-            count += batch[:, 1:].numel()
+    for batch, output, _ in through_cache(model, blocks, plan, windows):
+        logits = output.logits[:, :-1].float()
+        total += float(torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
+        count += batch[:, 1:].numel()
     return total / count
 
 
