@@ -362,6 +362,8 @@ def _choice(r: dict) -> str:
     """The variant asked and, where it differs, what the planner chose."""
     if r.get("kind") == "plain":
         return f"{r['variant']} → plain int{r['latent_bits']}"
+    if r.get("kind") == "keys_waterfilled":
+        return f"{r['variant']} → keys water-filled, int{r['latent_bits']} values"
     bits = r.get("latent_bits", 16)
     chose = r.get("rope", r["variant"]) + ("" if bits == 16 else f", int{bits} latents")
     return r["variant"] if chose == r["variant"].partition(":")[0] else f"{r['variant']} → {chose}"
