@@ -321,7 +321,7 @@ def quantize_groups(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: i
 
 def encode(g: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
     """Packed ``bits``-bit codes of the float32 groups ``g (..., groups, group)`` under their
-    (float32) ``zero`` points and ``scale``\ s ``(..., groups)``."""
+    (float32) zero points ``zero`` and scales ``scale`` ``(..., groups)``."""
     levels = (1 << bits) - 1
     codes = torch.round((g - zero[..., None]) / scale[..., None]).clamp_(0, levels)
     return pack_bits(codes.to(torch.uint8), bits)
