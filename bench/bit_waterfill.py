@@ -5,7 +5,7 @@ plan, ``lorc_fx.plan.bit_allocation``). Results: bench/results/bit_waterfill-cpu
     OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 2.56,1.92 \
         --widths 4 --widths 2.4.8 --key-shares 0.3,0.4,0.5 [--sets self_held,news,austen,poems]
     OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 4.5 --values kivi --group 256 \
-        --widths 3.4.8 --key-shares 0
+        --widths 3.4.8 --key-shares 0 [--key-basis identity]
 
 Today a plan stores each side's latent at one bit width and cuts its rank to fill the budget:
 channels are either kept at that width or dropped. The latent channels are the rows of a
@@ -58,6 +58,7 @@ from lorc_fx.cache.rotary import rotate  # noqa: E402
 from lorc_fx.eval.evaluate import evaluation_windows  # noqa: E402
 from lorc_fx.plan.bit_allocation import allocate as water_fill  # noqa: E402
 from lorc_fx.plan.planner import _key_spectrum, _value_spectrum  # noqa: E402
+from lorc_fx.plan.spectra import Spectrum  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from int4_variants import install_hooks, Ctx, self_sets  # noqa: E402
@@ -142,6 +143,17 @@ def spectra(model, blocks):
             [_value_spectrum(l) for l in inputs])
 
 
+def identity_keys(spectrum: Spectrum) -> Spectrum:
+    """The keys' own channels as the basis (``--key-basis identity``), each channel's energy
+    the error of dropping it in the planner's metric: for rows ``P`` and rebuild rows ``B`` of
+    energies ``e`` (``B Pᵀ = I``), channel ``c`` costs ``Σ_i P_ic·B_ic·e_i`` (the diagonal of
+    the metric-weighted key moment; for an orthonormal basis, of ``Pᵀ diag(e) P``)."""
+    rebuild = spectrum.rows if spectrum.rebuild_rows is None else spectrum.rebuild_rows
+    energy = (spectrum.rows * rebuild * spectrum.energy[:, None]).sum(0)
+    eye = torch.eye(spectrum.width, dtype=spectrum.rows.dtype)
+    return Spectrum(eye, energy, torch.ones(spectrum.width + 1, dtype=torch.bool))
+
+
 def allocate(energies, rho, budget, widths, group):
     """The planner's water-filling (``plan.bit_allocation.allocate``) and the bits per token
     it spends."""
@@ -197,6 +209,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--values", choices=("latent", "kivi"), default="latent",
                     help="kivi: values as KIVI's 4-bit per-token codes, keys take the rest")
+    ap.add_argument("--key-basis", choices=("planner", "identity"), default="planner",
+                    help="identity: water-fill the keys' own pre-RoPE channels (no basis)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     model = lorc_fx.load_model("default")
@@ -204,6 +218,8 @@ def main():
     install_hooks(model)
     blocks = lorc_fx.analyze(model)
     ks, vs = spectra(model, blocks)
+    if args.key_basis == "identity":
+        ks = [identity_keys(k) for k in ks]
     style = blocks[0].rope_k.style
     heads = model.config.num_key_value_heads
     codecs = [Codec(k, v, heads, style) for k, v in zip(ks, vs)]
@@ -243,6 +259,7 @@ def main():
                     se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
                     dloss = loss - base[n]["loss"]
                     rec = {"target": target, "widths": widths, "values": args.values,
+                           "key_basis": args.key_basis,
                            "key_share": None if args.values == "kivi" else share, "group": args.group,
                            "bits": measured, "set": n, "dloss": dloss, "ratio": math.exp(dloss),
                            "se": se, "channels_per_width": hist,
