@@ -52,13 +52,21 @@ def compress(model, fraction: float, basis: str, **kwargs):
 COLLECTIVE_METHODS = ("redistribute", "full_tensor")
 
 
+def _target_name(target) -> str:
+    """An op's name (``_c10d_functional.all_reduce``), a method's, or a Python function's
+    module and qualified name: never ``str`` of a function, whose address can read "c10d"."""
+    if isinstance(target, str) or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(target).__name__)}"
+
+
 def collectives(gm) -> list[str]:
     """The communicating calls in an FX graph, in graph order: c10d ops (functional or in
     place) and DTensor redistributions."""
     found = []
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method"):
-            name = str(node.target)
+            name = _target_name(node.target)
             method = getattr(node.target, "__name__", name)
             if "c10d" in name or method in COLLECTIVE_METHODS:
                 found.append(name if "c10d" in name else method)
