@@ -41,7 +41,8 @@ What is measured, and how:
   kernels made visible (``torch._inductor.config.cpp.enable_kernel_profile``). Each event's
   self time (its time minus its profiled children's) is counted once; they sum to the
   profiled steps' total. An event is attention-related if an enclosing event is, or: any
-  SDPA / attention / softmax / bmm op, any Inductor kernel fused from those, from an ``exp``
+  SDPA / attention / softmax / bmm op, any ``lorc::`` op (the decode attention kernels), any
+  Inductor kernel fused from those, from an ``exp``
   (a softmax written out: the models here have no other), from the cache
   write (``index_copy``/``index_put``) or RoPE on cached keys, and any op one of whose input
   shapes has the static cache length as a dimension (e.g. the mm rebuilding keys from the
@@ -142,7 +143,7 @@ def _is_attention(event, cache_len: int) -> bool:
     name = event.name.lower()
     if any(word in name for word in ATTENTION_WORDS):
         return True
-    if "rotate" in name or "rope" in name:
+    if "rotate" in name or "rope" in name or name.startswith("lorc::"):  # lorc's attention ops
         return True
     if name.startswith("graph_") and "_exp_" in name:  # an Inductor kernel with a softmax's exp
         return True

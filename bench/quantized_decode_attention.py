@@ -9,8 +9,9 @@ Per code width it times (``torch.compile``, Inductor, batch 1, medians over ``--
   ``(1, 3, n, 64)``: what an uncompressed cache costs;
 - ``plain fused`` / ``plain materialised``: a plain quantized plan (keys per channel over
   groups of 32 tokens, values per token, width 192 a token and side) read by
-  ``quantized_kv_attention`` (codes read in the reductions) / dequantized first
-  (``lorc::dequantize``'s maths, then SDPA);
+  ``quantized_kv_attention`` (codes read in the reductions: on an x86-64 CPU by the C++
+  kernel ``lorc::code_attention``) / dequantized first (``lorc::dequantize``'s maths, then
+  SDPA);
 - ``latent fused`` / ``latent materialised``: post-RoPE latents of rank 96 a side (half the
   width), per channel over groups of 32, read by ``quantized_latent_attention`` /
   dequantized first, then ``latent_attention``;

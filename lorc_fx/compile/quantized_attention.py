@@ -44,6 +44,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorc_fx.kernels.code_reductions import native_applies
+
 from .latent_attention import head_blocks, rotary_scores
 
 FUSED_BITS = (8, 4, 2)  # code widths whose bytes unpack by shifts alone
@@ -95,9 +97,34 @@ def quantized_kv_attention(query, k_side, v_side, attn_mask=None, scale: float |
     keys, values = _Positions(*k_side), _Positions(*v_side)
     kv_heads = keys.heads
     grouped = query.reshape(b, kv_heads, h // kv_heads * t, d)  # the query heads of each kv head
+    if _fused_applies(keys, values, attn_mask):
+        out = torch.ops.lorc.code_attention(
+            grouped, *keys.codes[:3], keys.codes[3], *values.codes[:3], values.codes[3],
+            keys.rows_or_none(d), values.rows_or_none(d), keys.bias(attn_mask, b, t), scale)
+        return out.view(b, h, t, d).to(query.dtype)
     scores = keys.scores(grouped).view(b, h, t, -1) * scale
     probs = keys.softmax(scores, attn_mask).view(b, kv_heads, h // kv_heads * t, -1)
     return values.sums(keys.weights_for(values, probs)).view(b, h, t, -1).to(query.dtype)
+
+
+def _fused_applies(keys: "_Positions", values: "_Positions", attn_mask) -> bool:
+    """Whether ``lorc::code_attention``'s C++ kernel runs a plain plan's decode attention: keys
+    per channel and values per token in widths and groups it reads, each token at the same
+    position on both sides (the values' slots may stop short of the keys' where no token lies
+    past them and no window follows: a static layer's spare key group), under a mask shared
+    by the heads."""
+    if keys.codes is None or values.codes is None:
+        return False
+    (*_, k_bits, k_group, k_axis, _, _, _), (*_, v_bits, v_group, v_axis, _, _, _) = (
+        keys.codes, values.codes)
+    same_positions = keys.slots == values.slots or (
+        keys.rows == 0 and keys.length <= values.slots <= keys.slots)
+    return (k_axis == -2 and v_axis == -1 and same_positions
+            and keys.length == values.length and keys.rows == values.rows
+            and keys.tokens == values.tokens
+            and (attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] == 1))
+            and native_applies(keys.device, k_bits, k_group)
+            and native_applies(values.device, v_bits, v_group))
 
 
 class _Positions:
@@ -157,6 +184,27 @@ class _Positions:
         parts = [] if self.codes is None else [_code_values(*self.codes)]
         return torch.cat(parts + ([] if self.window is None else [self.window]), dim=-2)
 
+    def rows_or_none(self, width: int):
+        """The window's rows ``(b, hk, rows, width)`` in float32, none of them where there is
+        no window."""
+        if self.window is not None:
+            return self.window.float()
+        payload = self.codes[0]
+        return payload.new_zeros(payload.shape[0], self.heads, 0, width, dtype=torch.float32)
+
+    def bias(self, attn_mask, batch: int, t: int):
+        """What the softmax adds to every query row's scores ``(batch, t, positions)``: 0
+        where ``attn_mask`` (SDPA's, shared by the heads) attends, or its additive value, and
+        -inf at positions holding no token."""
+        held = self.held()
+        if attn_mask is None:
+            bias = torch.where(held, 0.0, float("-inf"))
+        else:
+            picked = self.spread(attn_mask, -1)[:, 0]
+            bias = (torch.where(picked & held, 0.0, float("-inf")) if picked.dtype == torch.bool
+                    else torch.where(held, picked.float(), float("-inf")))
+        return bias.expand(batch, t, -1)
+
     def softmax(self, scores, attn_mask):
         """Softmax of ``scores (b, h, t, positions)`` under ``attn_mask`` (SDPA's, over the
         tokens: boolean, True attends, or added), positions holding no token masked out."""
@@ -182,7 +230,6 @@ class _Positions:
         ``(b, hk, m, width)``."""
         if self.codes is None:
             return p @ self.window.to(p.dtype)
-        p = _stored(p, -2)  # the short axis (query heads × tokens)
         out = _code_sums(p[..., :self.slots], *self.codes)
         if self.window is not None:
             out = out + p[..., self.slots:] @ self.window.to(p.dtype)
@@ -246,7 +293,10 @@ def _unpacked(payload, bits: int):
 def _code_scores(q, payload, scale, zero, bits: int, group: int, axis: int, length: int,
                  width: int, dtype: torch.dtype):
     """``q (b, hk, m, width)`` against every slot of per-channel codes:
-    ``Σ_c (q_c·scale_c)·code_c + Σ_c q_c·zero_c``, ``(b, hk, m, slots)``."""
+    ``Σ_c (q_c·scale_c)·code_c + Σ_c q_c·zero_c``, ``(b, hk, m, slots)``; on CPU, by the
+    C++ kernel ``lorc::code_scores`` where it serves the codes."""
+    if native_applies(q.device, bits, group):
+        return torch.ops.lorc.code_scores(q.float(), payload, scale, zero, bits)
     codes = _unpacked(payload, bits)  # (b, hk, width, groups, per, bytes)
     q = _stored(q.float())[..., None]  # (b, hk, m, width, 1)
     by_scale = q * scale.unsqueeze(2).float()  # (b, hk, m, width, groups)
@@ -266,9 +316,12 @@ def _code_values(payload, scale, zero, bits: int, group: int, axis: int, length:
 def _code_sums(p, payload, scale, zero, bits: int, group: int, axis: int, length: int,
                width: int, dtype: torch.dtype):
     """``Σ_slot p·(zero + code·scale)`` for weights ``p (b, hk, m, slots)``:
-    ``(b, hk, m, width)``."""
+    ``(b, hk, m, width)``; per token on CPU by the C++ kernel ``lorc::code_sums`` where it
+    serves the codes."""
+    if axis == -1 and native_applies(p.device, bits, group):
+        return torch.ops.lorc.code_sums(p, payload, scale, zero, bits)[..., :width]
     codes = _unpacked(payload, bits)
-    p = p.float()
+    p = _stored(p.float(), -2)  # the short axis (query heads × tokens)
     if axis == -2:  # (b, hk, width, groups, per, bytes) along the tokens
         p = p.unflatten(-1, codes.shape[-3:])  # (b, hk, m, groups, per, bytes)
         by_code = (p.unsqueeze(3) * codes.unsqueeze(2)).sum((-2, -1))  # (b, hk, m, width, groups)

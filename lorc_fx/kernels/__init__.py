@@ -1,11 +1,15 @@
-"""Decode attention over the low-rank KV latent: Triton kernels and torch ops.
+"""Decode attention kernels and their torch ops.
 
 Importing this package registers ``torch.ops.lorc.latent_decode`` and
-``torch.ops.lorc.reconstruct_decode`` (Python callables: :mod:`lorc_fx.kernels.ops`); it does not
-need Triton. The op callables are not re-exported here because the kernel submodules
-``latent_decode`` and ``reconstruct_decode`` own those names.
+``torch.ops.lorc.reconstruct_decode`` (Triton kernels over the low-rank latent on CUDA:
+:mod:`lorc_fx.kernels.ops`; it does not need Triton) and ``torch.ops.lorc.code_scores``,
+``code_sums`` and ``code_attention`` (decode attention over quantized codes, a C++ kernel on
+x86-64 CPUs: :mod:`lorc_fx.kernels.code_reductions`). The op callables are not re-exported here
+because the kernel submodules ``latent_decode`` and ``reconstruct_decode`` own those names.
 """
+from . import code_reductions
 from .ops import triton_available
 from .reference import latent_decode_reference, reconstruct_decode_reference
 
-__all__ = ["triton_available", "latent_decode_reference", "reconstruct_decode_reference"]
+__all__ = ["code_reductions", "triton_available", "latent_decode_reference",
+           "reconstruct_decode_reference"]

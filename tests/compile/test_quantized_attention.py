@@ -28,11 +28,13 @@ from lorc_fx.cache.quantize import QuantSpec
 from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
 from lorc_fx.compile.backend import LorcBackend, lorc_backend
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
+from lorc_fx.compile import quantized_attention
 from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
 from lorc_fx.compile.passes.absorb_latent_attention import absorb_latent_attention
 from lorc_fx.compile.quantized_attention import (SUM_CHUNK, quantized_kv_attention,
                                                  quantized_latent_attention,
                                                  quantized_rotary_latent_attention)
+from lorc_fx.kernels.code_reductions import native_applies
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import layer_inputs, plain_quantized_plan, value_token_group
 from helpers.families import build, config_for
@@ -329,7 +331,7 @@ def compress_quantized(model, mode: str, bits: int, group: int):
                  latent_group=group)
 
 
-def compiled_generate(model, backend, ids, mask, new_tokens):
+def compiled_generate(model, backend, ids, mask, new_tokens, **kwargs):
     """Greedy ``generate`` through ``backend``; the graphs it compiled, graph breaks counted."""
     from torch._dynamo.utils import counters
 
@@ -342,7 +344,7 @@ def compiled_generate(model, backend, ids, mask, new_tokens):
 
     counters.clear()
     with compiled(model, spy):
-        out = generate(model, ids, mask, new_tokens=new_tokens)
+        out = generate(model, ids, mask, new_tokens=new_tokens, **kwargs)
     return out, graphs, sum(counters["graph_break"].values())
 
 
@@ -383,6 +385,31 @@ def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monk
     assert breaks == 0
     assert len(graphs) == 4
     assert_decode_reads_codes(backend, graphs, model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("bits, cache", [(8, "dynamic"), (4, "static")])
+def test_plain_decode_over_heads_of_64_runs_the_fused_kernel(bits, cache, monkeypatch):
+    """Heads of 64 dims, codes in groups of 32: on a CPU the C++ kernel serves
+    (``lorc::code_attention``, lorc_fx/kernels/code_reductions.py), every decode attention
+    takes it, in a dynamic cache (a window after the codes) and a static one (a spare key
+    group past the values), and generate gives the eager tokens."""
+    if not native_applies(torch.device("cpu"), bits, 32):
+        pytest.skip("the C++ kernel does not build on this machine")
+    taken = []
+    fused_applies = quantized_attention._fused_applies
+    monkeypatch.setattr(quantized_attention, "_fused_applies",
+                        lambda *args: taken.append(fused_applies(*args)) or taken[-1])
+    model = build(config_for("llama", heads=4, kv_heads=2, head_dim=64, layers=2))
+    ids, mask = prompt(length=6)
+    compress_quantized(model, "plain", bits, group=32)
+    kwargs = {} if cache == "dynamic" else {"cache": "static"}
+    expected = generate(model, ids, mask, new_tokens=40, **kwargs)
+    got, graphs, breaks = compiled_generate(model, lorc_backend.with_options(inductor=False),
+                                            ids, mask, 40, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
+                               atol=1e-4, rtol=1e-4)
+    assert breaks == 0 and taken and all(taken)
 
 
 @pytest.mark.slow

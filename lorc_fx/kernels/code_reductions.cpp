@@ -1,0 +1,377 @@
+// The two reductions of decode attention over quantized cache codes, for x86-64 CPUs with
+// AVX2 (AVX-512 where the compiler targets it): lorc_fx/kernels/code_reductions.py builds this
+// file once per machine and calls it through ctypes.
+//
+// Layouts (lorc_fx/cache/quantize.py): codes are unsigned, 8 bits a byte or 4 bits two a byte
+// (a run of `len` codes packed in len/2 bytes, byte j holding code j in its low nibble and code
+// j + len/2 in its high one); a value is zero + code * scale, scale and zero per group.
+//
+// - lorc_code_scores: q (BH, M, W) against per-channel codes (BH, W, groups, G*bits/8), scale and
+//   zero (BH, W, groups): out (BH, M, groups*G) = sum_c q[m,c] * (zero[c,g] + code[c,g,j] *
+//   scale[c,g]) for token j of group g.
+// - lorc_code_sums: weights p (BH, M, N) against per-token codes (BH, N, CG, Gc*bits/8), scale
+//   and zero (BH, N, CG): out (BH, M, CG*Gc) = sum_n p[m,n] * (zero[n,cg] + code[n,cg,j] *
+//   scale[n,cg]) for channel j of channel group cg.
+// - lorc_code_attention: the two fused with the softmax between them, for a plain plan's
+//   decode step: keys per channel over N slots and values per token over the first NV of them
+//   (the slots past NV are masked), then R window rows in float32 (BH, R, D); scores scaled and
+//   biased by bias (B, T, N + R) (0 or -inf, or an additive mask; query row m of a kv head is
+//   query token m % T), softmax, weighted sum of the values: out (BH, M, D). A row with
+//   nothing to attend gets zeros.
+//
+// Why by hand: written as tensor maths, Inductor's C++ loops keep one accumulator per output
+// vector and convert every code once per query row it meets; here a tile of 3 rows x NC vectors
+// stays in registers while each code is widened to float once and used for all 3 rows. Both
+// reductions are sums of products in float32, in another order than the tensor maths.
+#include <immintrin.h>
+
+#include <cstdint>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+constexpr int64_t VW = 16;  // floats in a vector
+typedef float vf __attribute__((vector_size(64)));
+static inline __m128i load_bytes(const uint8_t* p) { return _mm_loadu_si128((const __m128i*)p); }
+static inline vf widen(__m128i b) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+#elif defined(__AVX2__)
+constexpr int64_t VW = 8;
+typedef float vf __attribute__((vector_size(32)));
+static inline __m128i load_bytes(const uint8_t* p) { return _mm_loadl_epi64((const __m128i*)p); }
+static inline vf widen(__m128i b) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+#else
+#error "lorc_fx's CPU code reductions need AVX2"
+#endif
+
+constexpr int64_t ROWS = 3;  // query rows of a register tile
+
+static inline vf broadcast(float x) {
+    vf v = {};
+    return v + x;
+}
+
+static inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// VW codes of a run of `len` codes, from code j0 on, as floats.
+static inline vf chunk(const uint8_t* run, int64_t bits, int64_t len, int64_t j0) {
+    if (bits == 8) return widen(load_bytes(run + j0));
+    const int64_t half = len / 2;
+    const __m128i low = _mm_set1_epi8(15);
+    if (j0 < half) return widen(_mm_and_si128(load_bytes(run + j0), low));
+    return widen(_mm_and_si128(_mm_srli_epi16(load_bytes(run + j0 - half), 4), low));
+}
+
+// One tile of scores: rows m0..m0+ROWS of one group, tokens j0..j0+NC*VW. `qs` holds
+// q[m,c]*scale[c,g] at [c*Mp + m], `zs` sum_c q[m,c]*zero[c,g] at [m].
+template <int64_t NC>
+static void scores_tile(const float* qs, const float* zs, int64_t Mp, int64_t m0, int64_t rows,
+                        const uint8_t* run0, int64_t channel_stride, int64_t W, int64_t bits,
+                        int64_t G, int64_t j0, float* out, int64_t out_stride) {
+    vf acc[ROWS][NC];
+    for (int64_t m = 0; m < ROWS; ++m)
+        for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(zs[m0 + m]);
+    for (int64_t c = 0; c < W; ++c) {
+        // this channel's run of the next group: 64 runs a group, each in its own page
+        __builtin_prefetch(run0 + c * channel_stride + G * bits / 8 + j0 * bits / 8);
+        vf codes[NC];
+        for (int64_t k = 0; k < NC; ++k) codes[k] = chunk(run0 + c * channel_stride, bits, G, j0 + k * VW);
+        const float* s = qs + c * Mp + m0;
+        for (int64_t m = 0; m < ROWS; ++m) {
+            const vf sv = broadcast(s[m]);
+            for (int64_t k = 0; k < NC; ++k) acc[m][k] += sv * codes[k];
+        }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t k = 0; k < NC; ++k) store(out + m * out_stride + j0 + k * VW, acc[m][k]);
+}
+
+// One tile of sums: rows m0..m0+ROWS, channels j0..j0+NC*VW of one channel group. `pt` holds
+// p transposed, p[m,n] at [n*Mp + m].
+template <int64_t NC>
+static void sums_tile(const float* pt, int64_t Mp, int64_t m0, int64_t rows, const uint8_t* run0,
+                      int64_t token_stride, const float* scale, const float* zero,
+                      int64_t group_stride, int64_t N, int64_t bits, int64_t Gc, int64_t j0,
+                      float* out, int64_t out_stride) {
+    vf acc[ROWS][NC];
+    float by_zero[ROWS] = {};
+    for (int64_t m = 0; m < ROWS; ++m)
+        for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(0.f);
+    for (int64_t n = 0; n < N; ++n) {
+        vf codes[NC];
+        for (int64_t k = 0; k < NC; ++k) codes[k] = chunk(run0 + n * token_stride, bits, Gc, j0 + k * VW);
+        const float s = scale[n * group_stride], z = zero[n * group_stride];
+        const float* p = pt + n * Mp + m0;
+        for (int64_t m = 0; m < ROWS; ++m) {
+            by_zero[m] += p[m] * z;
+            const vf ps = broadcast(p[m] * s);
+            for (int64_t k = 0; k < NC; ++k) acc[m][k] += ps * codes[k];
+        }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t k = 0; k < NC; ++k)
+            store(out + m * out_stride + j0 + k * VW, acc[m][k] + by_zero[m]);
+}
+
+static inline int64_t padded_rows(int64_t M) { return (M + ROWS - 1) / ROWS * ROWS; }
+
+extern "C" int64_t lorc_vector_width() { return VW; }
+
+// work: threads * (W + 1) * Mp floats.
+extern "C" void lorc_code_scores(const float* q, const uint8_t* payload, const float* scale,
+                                 const float* zero, float* out, float* work, int64_t BH,
+                                 int64_t M, int64_t W, int64_t groups, int64_t G, int64_t bits,
+                                 int threads) {
+    const int64_t Mp = padded_rows(M), run_bytes = G * bits / 8;
+#pragma omp parallel for collapse(2) num_threads(threads)
+    for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t g = 0; g < groups; ++g) {
+#ifdef _OPENMP
+            float* qs = work + omp_get_thread_num() * (W + 1) * Mp;
+#else
+            float* qs = work;
+#endif
+            float* zs = qs + W * Mp;
+            const float* qb = q + bh * M * W;
+            const float* sb = scale + bh * W * groups + g;
+            const float* zb = zero + bh * W * groups + g;
+            for (int64_t m = 0; m < Mp; ++m) {
+                float z = 0.f;
+                for (int64_t c = 0; c < W; ++c) {
+                    const float qv = m < M ? qb[m * W + c] : 0.f;
+                    qs[c * Mp + m] = qv * sb[c * groups];
+                    z += qv * zb[c * groups];
+                }
+                zs[m] = z;
+            }
+            const uint8_t* run0 = payload + (bh * W * groups + g) * run_bytes;
+            float* ob = out + bh * M * groups * G + g * G;
+            for (int64_t m0 = 0; m0 < Mp; m0 += ROWS) {
+                const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
+                for (int64_t j0 = 0; j0 < G;) {
+                    if (G - j0 >= 4 * VW) {
+                        scores_tile<4>(qs, zs, Mp, m0, rows, run0, groups * run_bytes, W, bits, G,
+                                       j0, ob + m0 * groups * G, groups * G);
+                        j0 += 4 * VW;
+                    } else {
+                        scores_tile<2>(qs, zs, Mp, m0, rows, run0, groups * run_bytes, W, bits, G,
+                                       j0, ob + m0 * groups * G, groups * G);
+                        j0 += 2 * VW;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// work: BH * N * Mp floats.
+extern "C" void lorc_code_sums(const float* p, const uint8_t* payload, const float* scale,
+                               const float* zero, float* out, float* work, int64_t BH, int64_t M,
+                               int64_t N, int64_t CG, int64_t Gc, int64_t bits, int threads) {
+    const int64_t Mp = padded_rows(M), run_bytes = Gc * bits / 8;
+#pragma omp parallel for num_threads(threads)
+    for (int64_t bh = 0; bh < BH; ++bh)
+        for (int64_t n = 0; n < N; ++n)
+            for (int64_t m = 0; m < Mp; ++m)
+                work[(bh * N + n) * Mp + m] = m < M ? p[(bh * M + m) * N + n] : 0.f;
+#pragma omp parallel for collapse(3) num_threads(threads)
+    for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t cg = 0; cg < CG; ++cg) {
+            for (int64_t m0 = 0; m0 < Mp; m0 += ROWS) {
+                const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
+                const float* pt = work + bh * N * Mp;
+                const uint8_t* run0 = payload + (bh * N * CG + cg) * run_bytes;
+                const float* sb = scale + bh * N * CG + cg;
+                const float* zb = zero + bh * N * CG + cg;
+                float* ob = out + (bh * M + m0) * CG * Gc + cg * Gc;
+                for (int64_t j0 = 0; j0 < Gc;) {
+                    if (Gc - j0 >= 4 * VW) {
+                        sums_tile<4>(pt, Mp, m0, rows, run0, CG * run_bytes, sb, zb, CG, N, bits,
+                                     Gc, j0, ob, CG * Gc);
+                        j0 += 4 * VW;
+                    } else {
+                        sums_tile<2>(pt, Mp, m0, rows, run0, CG * run_bytes, sb, zb, CG, N, bits,
+                                     Gc, j0, ob, CG * Gc);
+                        j0 += 2 * VW;
+                    }
+                }
+            }
+        }
+    }
+}
+
+// exp(x) for x <= 0 (softmax arguments), float32 to about 2 ulp: x = n*ln2 + r, |r| <= ln2/2,
+// exp(r) by its degree-6 Taylor-minimax polynomial, 2^n through the exponent bits. Below
+// -87.3 (where 2^n leaves the normal floats) and for -inf it is 0.
+static inline vf exp_nonpositive(vf x) {
+    typedef int32_t vi __attribute__((vector_size(sizeof(vf))));
+    const float shifter = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+    const vf n = (x * 1.44269504088896341f + shifter) - shifter;
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = broadcast(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    vi bits = __builtin_convertvector(n, vi) + 127;
+    bits = bits << 23;
+    vf scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return x < -87.3f ? broadcast(0.f) : p * scale;
+}
+
+// One tile of value sums with weights read from ROWS rows of stride `p_stride` (a row-major
+// buffer of probabilities), as sums_tile.
+template <int64_t NC>
+static void weighted_tile(const float* p, int64_t p_stride, int64_t rows, const uint8_t* run0,
+                          int64_t token_stride, const float* scale, const float* zero,
+                          int64_t group_stride, int64_t N, int64_t bits, int64_t Gc, int64_t j0,
+                          float* out, int64_t out_stride) {
+    vf acc[ROWS][NC];
+    float by_zero[ROWS] = {};
+    for (int64_t m = 0; m < ROWS; ++m)
+        for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(0.f);
+    for (int64_t n = 0; n < N; ++n) {
+        vf codes[NC];
+        for (int64_t k = 0; k < NC; ++k) codes[k] = chunk(run0 + n * token_stride, bits, Gc, j0 + k * VW);
+        const float s = scale[n * group_stride], z = zero[n * group_stride];
+        for (int64_t m = 0; m < ROWS; ++m) {
+            const float pm = p[m * p_stride + n];
+            by_zero[m] += pm * z;
+            const vf ps = broadcast(pm * s);
+            for (int64_t k = 0; k < NC; ++k) acc[m][k] += ps * codes[k];
+        }
+    }
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t k = 0; k < NC; ++k)
+            store(out + m * out_stride + j0 + k * VW, acc[m][k] + by_zero[m]);
+}
+
+// work: threads * (ROWS * (N + R) + (D + 1) * ROWS + ROWS * VCG * Gv) floats.
+extern "C" void lorc_code_attention(
+        const float* q, const uint8_t* k_payload, const float* k_scale, const float* k_zero,
+        const uint8_t* v_payload, const float* v_scale, const float* v_zero,
+        const float* k_window, const float* v_window, const float* bias, float* out, float* work,
+        int64_t B, int64_t HK, int64_t M, int64_t T, int64_t D, int64_t groups, int64_t G,
+        int64_t k_bits, int64_t NV, int64_t VCG, int64_t Gv, int64_t v_bits, int64_t R,
+        float softmax_scale, int threads) {
+    const int64_t N = groups * G, P = N + R, k_run = G * k_bits / 8, v_run = Gv * v_bits / 8;
+    const int64_t tiles = (M + ROWS - 1) / ROWS, v_width = VCG * Gv;
+    const int64_t per_thread = ROWS * P + (D + 1) * ROWS + ROWS * v_width;
+#pragma omp parallel for collapse(2) num_threads(threads)
+    for (int64_t bh = 0; bh < B * HK; ++bh) {
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+#ifdef _OPENMP
+            float* probs = work + omp_get_thread_num() * per_thread;
+#else
+            float* probs = work;
+#endif
+            float* qs = probs + ROWS * P;  // (D, ROWS), then ROWS sums over zero points
+            float* zs = qs + D * ROWS;
+            float* values = zs + ROWS;  // (ROWS, VCG * Gv)
+            const int64_t m0 = tile * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
+            const float* qb = q + (bh * M + m0) * D;
+            // scores of the code slots, group by group
+            for (int64_t g = 0; g < groups; ++g) {
+                const float* sb = k_scale + bh * D * groups + g;
+                const float* zb = k_zero + bh * D * groups + g;
+                for (int64_t m = 0; m < ROWS; ++m) {
+                    float z = 0.f;
+                    for (int64_t c = 0; c < D; ++c) {
+                        const float qv = m < rows ? qb[m * D + c] : 0.f;
+                        qs[c * ROWS + m] = qv * sb[c * groups];
+                        z += qv * zb[c * groups];
+                    }
+                    zs[m] = z;
+                }
+                const uint8_t* run0 = k_payload + (bh * D * groups + g) * k_run;
+                for (int64_t j0 = 0; j0 < G;) {
+                    if (G - j0 >= 4 * VW) {
+                        scores_tile<4>(qs, zs, ROWS, 0, rows, run0, groups * k_run, D, k_bits, G,
+                                       j0, probs + g * G, P);
+                        j0 += 4 * VW;
+                    } else {
+                        scores_tile<2>(qs, zs, ROWS, 0, rows, run0, groups * k_run, D, k_bits, G,
+                                       j0, probs + g * G, P);
+                        j0 += 2 * VW;
+                    }
+                }
+            }
+            // scores of the window rows
+            for (int64_t r = 0; r < R; ++r) {
+                const float* kr = k_window + (bh * R + r) * D;
+                for (int64_t m = 0; m < rows; ++m) {
+                    float dot = 0.f;
+                    for (int64_t c = 0; c < D; ++c) dot += qb[m * D + c] * kr[c];
+                    probs[m * P + N + r] = dot;
+                }
+            }
+            // softmax of each row, left unnormalised: sums[m] divides at the end; rows past the
+            // tile's weigh nothing
+            float sums[ROWS] = {};
+            for (int64_t m = rows; m < ROWS; ++m)
+                for (int64_t n = 0; n < P; ++n) probs[m * P + n] = 0.f;
+            const int64_t b = bh / HK;
+            for (int64_t m = 0; m < rows; ++m) {
+                float* row = probs + m * P;
+                const float* bias_row = bias + (b * T + (m0 + m) % T) * P;
+                float top = -__builtin_inff();
+                for (int64_t n = 0; n < P; ++n) {
+                    row[n] = row[n] * softmax_scale + bias_row[n];
+                    top = row[n] > top ? row[n] : top;
+                }
+                if (top == -__builtin_inff()) {  // nothing to attend: zeros
+                    for (int64_t n = 0; n < P; ++n) row[n] = 0.f;
+                    continue;
+                }
+                vf total = broadcast(0.f);
+                int64_t n = 0;
+                for (; n + VW <= P; n += VW) {
+                    vf x;
+                    __builtin_memcpy(&x, row + n, sizeof x);
+                    x = exp_nonpositive(x - top);
+                    store(row + n, x);
+                    total += x;
+                }
+                float sum = 0.f;
+                for (int64_t k = 0; k < VW; ++k) sum += total[k];
+                for (; n < P; ++n) {
+                    vf x = broadcast(row[n] - top);
+                    row[n] = exp_nonpositive(x)[0];
+                    sum += row[n];
+                }
+                sums[m] = sum;
+            }
+            // values: the code slots, then the window rows
+            const uint8_t* vrun0 = v_payload + bh * NV * VCG * v_run;
+            for (int64_t cg = 0; cg < VCG; ++cg) {
+                for (int64_t j0 = 0; j0 < Gv;) {
+                    const float* vs = v_scale + bh * NV * VCG + cg;
+                    const float* vz = v_zero + bh * NV * VCG + cg;
+                    if (Gv - j0 >= 4 * VW) {
+                        weighted_tile<4>(probs, P, rows, vrun0 + cg * v_run, VCG * v_run, vs, vz,
+                                         VCG, NV, v_bits, Gv, j0, values + cg * Gv, v_width);
+                        j0 += 4 * VW;
+                    } else {
+                        weighted_tile<2>(probs, P, rows, vrun0 + cg * v_run, VCG * v_run, vs, vz,
+                                         VCG, NV, v_bits, Gv, j0, values + cg * Gv, v_width);
+                        j0 += 2 * VW;
+                    }
+                }
+            }
+            for (int64_t m = 0; m < rows; ++m) {
+                float* o = out + (bh * M + m0 + m) * D;
+                const float inv = sums[m] > 0.f ? 1.f / sums[m] : 0.f;
+                for (int64_t c = 0; c < D; ++c) {
+                    float acc = values[m * v_width + c];
+                    for (int64_t r = 0; r < R; ++r)
+                        acc += probs[m * P + N + r] * v_window[(bh * R + r) * D + c];
+                    o[c] = acc * inv;
+                }
+            }
+        }
+    }
+}
