@@ -62,23 +62,24 @@ static inline vf chunk(const uint8_t* run, int64_t bits, int64_t len, int64_t j0
     return widen(_mm_and_si128(_mm_srli_epi16(load_bytes(run + j0 - half), 4), low));
 }
 
-// One tile of scores: rows m0..m0+ROWS of one group, tokens j0..j0+NC*VW. `qs` holds
-// q[m,c]*scale[c,g] at [c*Mp + m], `zs` sum_c q[m,c]*zero[c,g] at [m].
+// One tile of scores: ROWS query rows of one group, tokens j0..j0+NC*VW. `qs` holds
+// q[m,c]*scale[c,g] at [c*ROWS + m], `zs` sum_c q[m,c]*zero[c,g] at [m].
 template <int64_t NC>
-static void scores_tile(const float* qs, const float* zs, int64_t Mp, int64_t m0, int64_t rows,
-                        const uint8_t* run0, int64_t channel_stride, int64_t W, int64_t bits,
-                        int64_t G, int64_t j0, float* out, int64_t out_stride) {
+static void scores_tile(const float* qs, const float* zs, int64_t rows, const uint8_t* run0,
+                        int64_t channel_stride, int64_t W, int64_t bits, int64_t G, int64_t j0,
+                        float* out, int64_t out_stride) {
     vf acc[ROWS][NC];
     for (int64_t m = 0; m < ROWS; ++m)
-        for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(zs[m0 + m]);
+        for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(zs[m]);
     for (int64_t c = 0; c < W; ++c) {
-        // this channel's run of the next group: 64 runs a group, each in its own page
-        __builtin_prefetch(run0 + c * channel_stride + G * bits / 8 + j0 * bits / 8);
+        // this channel's run of the next group: the runs of a group lie a channel apart, each
+        // in its own page, past what the hardware prefetcher follows
+        __builtin_prefetch(run0 + c * channel_stride + (G + j0) * bits / 8);
         vf codes[NC];
-        for (int64_t k = 0; k < NC; ++k) codes[k] = chunk(run0 + c * channel_stride, bits, G, j0 + k * VW);
-        const float* s = qs + c * Mp + m0;
+        for (int64_t k = 0; k < NC; ++k)
+            codes[k] = chunk(run0 + c * channel_stride, bits, G, j0 + k * VW);
         for (int64_t m = 0; m < ROWS; ++m) {
-            const vf sv = broadcast(s[m]);
+            const vf sv = broadcast(qs[c * ROWS + m]);
             for (int64_t k = 0; k < NC; ++k) acc[m][k] += sv * codes[k];
         }
     }
@@ -86,12 +87,41 @@ static void scores_tile(const float* qs, const float* zs, int64_t Mp, int64_t m0
         for (int64_t k = 0; k < NC; ++k) store(out + m * out_stride + j0 + k * VW, acc[m][k]);
 }
 
-// One tile of sums: rows m0..m0+ROWS, channels j0..j0+NC*VW of one channel group. `pt` holds
-// p transposed, p[m,n] at [n*Mp + m].
+// Scores of `rows` (<= ROWS) query rows q (rows, W) against one group of per-channel codes:
+// channel c's run at run0 + c * channel_stride, its scale and zero point at
+// scale[c * scale_stride]; out[m * out_stride + j] for the group's G tokens. `qs`: (W + 1) *
+// ROWS floats of work.
+static void group_scores(const float* q, int64_t rows, const float* scale, const float* zero,
+                         int64_t scale_stride, const uint8_t* run0, int64_t channel_stride,
+                         int64_t W, int64_t bits, int64_t G, float* qs, float* out,
+                         int64_t out_stride) {
+    float* zs = qs + W * ROWS;
+    for (int64_t m = 0; m < ROWS; ++m) {
+        float z = 0.f;
+        for (int64_t c = 0; c < W; ++c) {
+            const float qv = m < rows ? q[m * W + c] : 0.f;
+            qs[c * ROWS + m] = qv * scale[c * scale_stride];
+            z += qv * zero[c * scale_stride];
+        }
+        zs[m] = z;
+    }
+    for (int64_t j0 = 0; j0 < G;) {
+        if (G - j0 >= 4 * VW) {
+            scores_tile<4>(qs, zs, rows, run0, channel_stride, W, bits, G, j0, out, out_stride);
+            j0 += 4 * VW;
+        } else {
+            scores_tile<2>(qs, zs, rows, run0, channel_stride, W, bits, G, j0, out, out_stride);
+            j0 += 2 * VW;
+        }
+    }
+}
+
+// One tile of value sums: weights p[m][n] of ROWS rows (those past `rows` all zeros) over N
+// tokens of per-token codes, channels j0..j0+NC*VW of one channel group.
 template <int64_t NC>
-static void sums_tile(const float* pt, int64_t Mp, int64_t m0, int64_t rows, const uint8_t* run0,
+static void sums_tile(const float* const* p, int64_t rows, const uint8_t* run0,
                       int64_t token_stride, const float* scale, const float* zero,
-                      int64_t group_stride, int64_t N, int64_t bits, int64_t Gc, int64_t j0,
+                      int64_t scale_stride, int64_t N, int64_t bits, int64_t Gc, int64_t j0,
                       float* out, int64_t out_stride) {
     vf acc[ROWS][NC];
     float by_zero[ROWS] = {};
@@ -99,12 +129,13 @@ static void sums_tile(const float* pt, int64_t Mp, int64_t m0, int64_t rows, con
         for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(0.f);
     for (int64_t n = 0; n < N; ++n) {
         vf codes[NC];
-        for (int64_t k = 0; k < NC; ++k) codes[k] = chunk(run0 + n * token_stride, bits, Gc, j0 + k * VW);
-        const float s = scale[n * group_stride], z = zero[n * group_stride];
-        const float* p = pt + n * Mp + m0;
+        for (int64_t k = 0; k < NC; ++k)
+            codes[k] = chunk(run0 + n * token_stride, bits, Gc, j0 + k * VW);
+        const float s = scale[n * scale_stride], z = zero[n * scale_stride];
         for (int64_t m = 0; m < ROWS; ++m) {
-            by_zero[m] += p[m] * z;
-            const vf ps = broadcast(p[m] * s);
+            const float pm = p[m][n];
+            by_zero[m] += pm * z;
+            const vf ps = broadcast(pm * s);
             for (int64_t k = 0; k < NC; ++k) acc[m][k] += ps * codes[k];
         }
     }
@@ -113,89 +144,74 @@ static void sums_tile(const float* pt, int64_t Mp, int64_t m0, int64_t rows, con
             store(out + m * out_stride + j0 + k * VW, acc[m][k] + by_zero[m]);
 }
 
-static inline int64_t padded_rows(int64_t M) { return (M + ROWS - 1) / ROWS * ROWS; }
-
-extern "C" int64_t lorc_vector_width() { return VW; }
-
-// work: threads * (W + 1) * Mp floats.
-extern "C" void lorc_code_scores(const float* q, const uint8_t* payload, const float* scale,
-                                 const float* zero, float* out, float* work, int64_t BH,
-                                 int64_t M, int64_t W, int64_t groups, int64_t G, int64_t bits,
-                                 int threads) {
-    const int64_t Mp = padded_rows(M), run_bytes = G * bits / 8;
-#pragma omp parallel for collapse(2) num_threads(threads)
-    for (int64_t bh = 0; bh < BH; ++bh) {
-        for (int64_t g = 0; g < groups; ++g) {
-#ifdef _OPENMP
-            float* qs = work + omp_get_thread_num() * (W + 1) * Mp;
-#else
-            float* qs = work;
-#endif
-            float* zs = qs + W * Mp;
-            const float* qb = q + bh * M * W;
-            const float* sb = scale + bh * W * groups + g;
-            const float* zb = zero + bh * W * groups + g;
-            for (int64_t m = 0; m < Mp; ++m) {
-                float z = 0.f;
-                for (int64_t c = 0; c < W; ++c) {
-                    const float qv = m < M ? qb[m * W + c] : 0.f;
-                    qs[c * Mp + m] = qv * sb[c * groups];
-                    z += qv * zb[c * groups];
-                }
-                zs[m] = z;
-            }
-            const uint8_t* run0 = payload + (bh * W * groups + g) * run_bytes;
-            float* ob = out + bh * M * groups * G + g * G;
-            for (int64_t m0 = 0; m0 < Mp; m0 += ROWS) {
-                const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
-                for (int64_t j0 = 0; j0 < G;) {
-                    if (G - j0 >= 4 * VW) {
-                        scores_tile<4>(qs, zs, Mp, m0, rows, run0, groups * run_bytes, W, bits, G,
-                                       j0, ob + m0 * groups * G, groups * G);
-                        j0 += 4 * VW;
-                    } else {
-                        scores_tile<2>(qs, zs, Mp, m0, rows, run0, groups * run_bytes, W, bits, G,
-                                       j0, ob + m0 * groups * G, groups * G);
-                        j0 += 2 * VW;
-                    }
-                }
+// Sums of `rows` (<= ROWS) weight rows p[m] (N) over per-token codes (N, CG, Gc*bits/8) with
+// scales and zero points (N, CG): out[m * out_stride + cg * Gc + j].
+static void token_sums(const float* const* p, int64_t rows, const uint8_t* payload,
+                       const float* scale, const float* zero, int64_t N, int64_t CG, int64_t Gc,
+                       int64_t bits, float* out, int64_t out_stride) {
+    const int64_t run_bytes = Gc * bits / 8;
+    for (int64_t cg = 0; cg < CG; ++cg) {
+        const uint8_t* run0 = payload + cg * run_bytes;
+        for (int64_t j0 = 0; j0 < Gc;) {
+            if (Gc - j0 >= 4 * VW) {
+                sums_tile<4>(p, rows, run0, CG * run_bytes, scale + cg, zero + cg, CG, N, bits,
+                             Gc, j0, out + cg * Gc, out_stride);
+                j0 += 4 * VW;
+            } else {
+                sums_tile<2>(p, rows, run0, CG * run_bytes, scale + cg, zero + cg, CG, N, bits,
+                             Gc, j0, out + cg * Gc, out_stride);
+                j0 += 2 * VW;
             }
         }
     }
 }
 
-// work: BH * N * Mp floats.
-extern "C" void lorc_code_sums(const float* p, const uint8_t* payload, const float* scale,
-                               const float* zero, float* out, float* work, int64_t BH, int64_t M,
-                               int64_t N, int64_t CG, int64_t Gc, int64_t bits, int threads) {
-    const int64_t Mp = padded_rows(M), run_bytes = Gc * bits / 8;
-#pragma omp parallel for num_threads(threads)
-    for (int64_t bh = 0; bh < BH; ++bh)
-        for (int64_t n = 0; n < N; ++n)
-            for (int64_t m = 0; m < Mp; ++m)
-                work[(bh * N + n) * Mp + m] = m < M ? p[(bh * M + m) * N + n] : 0.f;
+static inline int64_t tiles_of(int64_t M) { return (M + ROWS - 1) / ROWS; }
+
+static inline float* thread_work(float* work, int64_t per_thread) {
+#ifdef _OPENMP
+    return work + omp_get_thread_num() * per_thread;
+#else
+    return work;
+#endif
+}
+
+// work: threads * (W + 1) * ROWS floats.
+extern "C" void lorc_code_scores(const float* q, const uint8_t* payload, const float* scale,
+                                 const float* zero, float* out, float* work, int64_t BH,
+                                 int64_t M, int64_t W, int64_t groups, int64_t G, int64_t bits,
+                                 int threads) {
+    const int64_t run_bytes = G * bits / 8, tiles = tiles_of(M);
 #pragma omp parallel for collapse(3) num_threads(threads)
     for (int64_t bh = 0; bh < BH; ++bh) {
-        for (int64_t cg = 0; cg < CG; ++cg) {
-            for (int64_t m0 = 0; m0 < Mp; m0 += ROWS) {
-                const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
-                const float* pt = work + bh * N * Mp;
-                const uint8_t* run0 = payload + (bh * N * CG + cg) * run_bytes;
-                const float* sb = scale + bh * N * CG + cg;
-                const float* zb = zero + bh * N * CG + cg;
-                float* ob = out + (bh * M + m0) * CG * Gc + cg * Gc;
-                for (int64_t j0 = 0; j0 < Gc;) {
-                    if (Gc - j0 >= 4 * VW) {
-                        sums_tile<4>(pt, Mp, m0, rows, run0, CG * run_bytes, sb, zb, CG, N, bits,
-                                     Gc, j0, ob, CG * Gc);
-                        j0 += 4 * VW;
-                    } else {
-                        sums_tile<2>(pt, Mp, m0, rows, run0, CG * run_bytes, sb, zb, CG, N, bits,
-                                     Gc, j0, ob, CG * Gc);
-                        j0 += 2 * VW;
-                    }
-                }
+        for (int64_t g = 0; g < groups; ++g) {
+            for (int64_t tile = 0; tile < tiles; ++tile) {
+                const int64_t m0 = tile * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
+                group_scores(q + (bh * M + m0) * W, rows, scale + bh * W * groups + g,
+                             zero + bh * W * groups + g, groups,
+                             payload + (bh * W * groups + g) * run_bytes, groups * run_bytes, W,
+                             bits, G, thread_work(work, (W + 1) * ROWS),
+                             out + (bh * M + m0) * groups * G + g * G, groups * G);
             }
+        }
+    }
+}
+
+// zeros: N floats of 0 (the weights of the rows past M in the last tile).
+extern "C" void lorc_code_sums(const float* p, const uint8_t* payload, const float* scale,
+                               const float* zero, float* out, float* zeros, int64_t BH, int64_t M,
+                               int64_t N, int64_t CG, int64_t Gc, int64_t bits, int threads) {
+    const int64_t run_bytes = Gc * bits / 8, tiles = tiles_of(M);
+#pragma omp parallel for collapse(2) num_threads(threads)
+    for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            const int64_t m0 = tile * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
+            const float* weights[ROWS];
+            for (int64_t m = 0; m < ROWS; ++m)
+                weights[m] = m < rows ? p + (bh * M + m0 + m) * N : zeros;
+            token_sums(weights, rows, payload + bh * N * CG * run_bytes, scale + bh * N * CG,
+                       zero + bh * N * CG, N, CG, Gc, bits, out + (bh * M + m0) * CG * Gc,
+                       CG * Gc);
         }
     }
 }
@@ -223,34 +239,7 @@ static inline vf exp_nonpositive(vf x) {
     return x < -87.3f ? broadcast(0.f) : p * scale;
 }
 
-// One tile of value sums with weights read from ROWS rows of stride `p_stride` (a row-major
-// buffer of probabilities), as sums_tile.
-template <int64_t NC>
-static void weighted_tile(const float* p, int64_t p_stride, int64_t rows, const uint8_t* run0,
-                          int64_t token_stride, const float* scale, const float* zero,
-                          int64_t group_stride, int64_t N, int64_t bits, int64_t Gc, int64_t j0,
-                          float* out, int64_t out_stride) {
-    vf acc[ROWS][NC];
-    float by_zero[ROWS] = {};
-    for (int64_t m = 0; m < ROWS; ++m)
-        for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(0.f);
-    for (int64_t n = 0; n < N; ++n) {
-        vf codes[NC];
-        for (int64_t k = 0; k < NC; ++k) codes[k] = chunk(run0 + n * token_stride, bits, Gc, j0 + k * VW);
-        const float s = scale[n * group_stride], z = zero[n * group_stride];
-        for (int64_t m = 0; m < ROWS; ++m) {
-            const float pm = p[m * p_stride + n];
-            by_zero[m] += pm * z;
-            const vf ps = broadcast(pm * s);
-            for (int64_t k = 0; k < NC; ++k) acc[m][k] += ps * codes[k];
-        }
-    }
-    for (int64_t m = 0; m < rows; ++m)
-        for (int64_t k = 0; k < NC; ++k)
-            store(out + m * out_stride + j0 + k * VW, acc[m][k] + by_zero[m]);
-}
-
-// work: threads * (ROWS * (N + R) + (D + 1) * ROWS + ROWS * VCG * Gv) floats.
+// work: threads * ROWS * (N + R + D + 1 + VCG * Gv) floats.
 extern "C" void lorc_code_attention(
         const float* q, const uint8_t* k_payload, const float* k_scale, const float* k_zero,
         const uint8_t* v_payload, const float* v_scale, const float* v_zero,
@@ -259,49 +248,20 @@ extern "C" void lorc_code_attention(
         int64_t k_bits, int64_t NV, int64_t VCG, int64_t Gv, int64_t v_bits, int64_t R,
         float softmax_scale, int threads) {
     const int64_t N = groups * G, P = N + R, k_run = G * k_bits / 8, v_run = Gv * v_bits / 8;
-    const int64_t tiles = (M + ROWS - 1) / ROWS, v_width = VCG * Gv;
-    const int64_t per_thread = ROWS * P + (D + 1) * ROWS + ROWS * v_width;
+    const int64_t tiles = tiles_of(M), v_width = VCG * Gv;
 #pragma omp parallel for collapse(2) num_threads(threads)
     for (int64_t bh = 0; bh < B * HK; ++bh) {
         for (int64_t tile = 0; tile < tiles; ++tile) {
-#ifdef _OPENMP
-            float* probs = work + omp_get_thread_num() * per_thread;
-#else
-            float* probs = work;
-#endif
-            float* qs = probs + ROWS * P;  // (D, ROWS), then ROWS sums over zero points
-            float* zs = qs + D * ROWS;
-            float* values = zs + ROWS;  // (ROWS, VCG * Gv)
+            float* probs = thread_work(work, ROWS * (P + D + 1 + v_width));  // (ROWS, P)
+            float* qs = probs + ROWS * P;                                    // (D + 1, ROWS)
+            float* values = qs + (D + 1) * ROWS;                             // (ROWS, v_width)
             const int64_t m0 = tile * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
             const float* qb = q + (bh * M + m0) * D;
-            // scores of the code slots, group by group
-            for (int64_t g = 0; g < groups; ++g) {
-                const float* sb = k_scale + bh * D * groups + g;
-                const float* zb = k_zero + bh * D * groups + g;
-                for (int64_t m = 0; m < ROWS; ++m) {
-                    float z = 0.f;
-                    for (int64_t c = 0; c < D; ++c) {
-                        const float qv = m < rows ? qb[m * D + c] : 0.f;
-                        qs[c * ROWS + m] = qv * sb[c * groups];
-                        z += qv * zb[c * groups];
-                    }
-                    zs[m] = z;
-                }
-                const uint8_t* run0 = k_payload + (bh * D * groups + g) * k_run;
-                for (int64_t j0 = 0; j0 < G;) {
-                    if (G - j0 >= 4 * VW) {
-                        scores_tile<4>(qs, zs, ROWS, 0, rows, run0, groups * k_run, D, k_bits, G,
-                                       j0, probs + g * G, P);
-                        j0 += 4 * VW;
-                    } else {
-                        scores_tile<2>(qs, zs, ROWS, 0, rows, run0, groups * k_run, D, k_bits, G,
-                                       j0, probs + g * G, P);
-                        j0 += 2 * VW;
-                    }
-                }
-            }
-            // scores of the window rows
-            for (int64_t r = 0; r < R; ++r) {
+            for (int64_t g = 0; g < groups; ++g)  // scores of the code slots
+                group_scores(qb, rows, k_scale + bh * D * groups + g, k_zero + bh * D * groups + g,
+                             groups, k_payload + (bh * D * groups + g) * k_run, groups * k_run, D,
+                             k_bits, G, qs, probs + g * G, P);
+            for (int64_t r = 0; r < R; ++r) {  // scores of the window rows
                 const float* kr = k_window + (bh * R + r) * D;
                 for (int64_t m = 0; m < rows; ++m) {
                     float dot = 0.f;
@@ -309,8 +269,8 @@ extern "C" void lorc_code_attention(
                     probs[m * P + N + r] = dot;
                 }
             }
-            // softmax of each row, left unnormalised: sums[m] divides at the end; rows past the
-            // tile's weigh nothing
+            // softmax of each row, left unnormalised (sums[m] divides at the end); rows past
+            // the tile's weigh nothing
             float sums[ROWS] = {};
             for (int64_t m = rows; m < ROWS; ++m)
                 for (int64_t n = 0; n < P; ++n) probs[m * P + n] = 0.f;
@@ -339,29 +299,16 @@ extern "C" void lorc_code_attention(
                 float sum = 0.f;
                 for (int64_t k = 0; k < VW; ++k) sum += total[k];
                 for (; n < P; ++n) {
-                    vf x = broadcast(row[n] - top);
-                    row[n] = exp_nonpositive(x)[0];
+                    row[n] = exp_nonpositive(broadcast(row[n] - top))[0];
                     sum += row[n];
                 }
                 sums[m] = sum;
             }
-            // values: the code slots, then the window rows
-            const uint8_t* vrun0 = v_payload + bh * NV * VCG * v_run;
-            for (int64_t cg = 0; cg < VCG; ++cg) {
-                for (int64_t j0 = 0; j0 < Gv;) {
-                    const float* vs = v_scale + bh * NV * VCG + cg;
-                    const float* vz = v_zero + bh * NV * VCG + cg;
-                    if (Gv - j0 >= 4 * VW) {
-                        weighted_tile<4>(probs, P, rows, vrun0 + cg * v_run, VCG * v_run, vs, vz,
-                                         VCG, NV, v_bits, Gv, j0, values + cg * Gv, v_width);
-                        j0 += 4 * VW;
-                    } else {
-                        weighted_tile<2>(probs, P, rows, vrun0 + cg * v_run, VCG * v_run, vs, vz,
-                                         VCG, NV, v_bits, Gv, j0, values + cg * Gv, v_width);
-                        j0 += 2 * VW;
-                    }
-                }
-            }
+            // the values: code slots (the first NV), then the window rows
+            const float* weights[ROWS];
+            for (int64_t m = 0; m < ROWS; ++m) weights[m] = probs + m * P;
+            token_sums(weights, rows, v_payload + bh * NV * VCG * v_run, v_scale + bh * NV * VCG,
+                       v_zero + bh * NV * VCG, NV, VCG, Gv, v_bits, values, v_width);
             for (int64_t m = 0; m < rows; ++m) {
                 float* o = out + (bh * M + m0 + m) * D;
                 const float inv = sums[m] > 0.f ? 1.f / sums[m] : 0.f;

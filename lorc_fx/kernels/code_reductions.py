@@ -1,5 +1,7 @@
-"""The two reductions of decode attention over quantized cache codes, as ops with a C++
-kernel for x86-64 CPUs: ``lorc::code_scores`` and ``lorc::code_sums``.
+"""Decode attention over quantized cache codes, as ops with a C++ kernel for x86-64 CPUs:
+its two reductions, ``lorc::code_scores`` and ``lorc::code_sums``, and a plain plan's whole
+step fused, ``lorc::code_attention`` (scores, softmax and weighted values in one pass over
+the codes: its docstring).
 
 Layouts are ``lorc_fx.cache.quantize``'s (codes unsigned, packed in runs: byte ``j`` holds
 code ``j`` of each of the ``8 // bits`` runs of a group, the first run in the low bits; a value
@@ -42,7 +44,7 @@ SOURCE = Path(__file__).with_name("code_reductions.cpp")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 NATIVE_BITS = (8, 4)
 GROUP_MULTIPLE = 32  # a group splits into whole vectors of codes, for 4 bits in each half
-ROWS = 3  # query rows of the kernel's register tile (its work buffers are padded to them)
+ROWS = 3  # query rows of the kernel's register tile (its work buffers hold whole tiles)
 
 
 def _cpu_flags() -> str:
@@ -110,11 +112,6 @@ def _values(payload: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
     return (zero.float()[..., None] + codes * scale.float()[..., None]).flatten(-2)
 
 
-def _padded(rows: int) -> int:
-    """``rows`` rounded up to whole register tiles (the kernel's work buffers hold those)."""
-    return -(-rows // ROWS) * ROWS
-
-
 @custom_op("lorc::code_scores", mutates_args=())
 def code_scores(q: Tensor, payload: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
     """``q (b, hk, m, w)`` against every slot of per-channel codes: ``(b, hk, m, groups·G)``."""
@@ -126,7 +123,7 @@ def code_scores(q: Tensor, payload: Tensor, scale: Tensor, zero: Tensor, bits: i
     scale, zero = scale.float().contiguous(), zero.float().contiguous()
     out = q.new_empty(b, hk, m, groups * group)
     threads = torch.get_num_threads()
-    work = q.new_empty(threads * (w + 1) * _padded(m), dtype=torch.float32)
+    work = q.new_empty(threads * (w + 1) * ROWS, dtype=torch.float32)
     _library().lorc_code_scores(*map(Tensor.data_ptr, (q, payload, scale, zero, out, work)),
                                 b * hk, m, w, groups, group, bits, threads)
     return out
@@ -143,8 +140,8 @@ def code_sums(p: Tensor, payload: Tensor, scale: Tensor, zero: Tensor, bits: int
     p, payload = p.float().contiguous(), payload.contiguous()
     scale, zero = scale.float().contiguous(), zero.float().contiguous()
     out = p.new_empty(b, hk, m, channel_groups * group)
-    work = p.new_empty(b * hk * n * _padded(m), dtype=torch.float32)
-    _library().lorc_code_sums(*map(Tensor.data_ptr, (p, payload, scale, zero, out, work)),
+    zeros = p.new_zeros(n)  # the weights of the rows past m in the last tile
+    _library().lorc_code_sums(*map(Tensor.data_ptr, (p, payload, scale, zero, out, zeros)),
                               b * hk, m, n, channel_groups, group, bits, torch.get_num_threads())
     return out
 
@@ -175,7 +172,8 @@ def code_attention(q: Tensor, k_payload: Tensor, k_scale: Tensor, k_zero: Tensor
     groups, group = k_payload.shape[3], k_payload.shape[4] * 8 // k_bits
     channel_groups, value_group = v_payload.shape[3], v_payload.shape[4] * 8 // v_bits
     t, rows, value_slots = bias.shape[1], k_window.shape[2], v_payload.shape[2]
-    if not (native_applies(q.device, k_bits, group) and native_applies(q.device, v_bits, value_group)):
+    if not (native_applies(q.device, k_bits, group)
+            and native_applies(q.device, v_bits, value_group)):
         scores = torch.cat([code_scores(q, k_payload, k_scale, k_zero, k_bits),
                             q.float() @ k_window.float().transpose(-1, -2)], dim=-1)
         scores = scores * scale + bias.float().repeat(1, m // t, 1).unsqueeze(1)
