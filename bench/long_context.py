@@ -401,7 +401,7 @@ def _plot(results: list[dict], path: str) -> None:
               ("attention share of a decode step", lambda r: r["profile"]["attention_share"]),
               ("cache MiB (measured from tensors)", lambda r: r["cache_bytes"] / 2**20),
               ("peak RSS during decode (MB)", lambda r: r["peak_decode_mb"])]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     width = 0.8 / max(len(variants), 1)
     for ax, (label, value) in zip(axes.flat, panels):
         for j, variant in enumerate(variants):
@@ -413,14 +413,18 @@ def _plot(results: list[dict], path: str) -> None:
                     xs.append(i + (j - (len(variants) - 1) / 2) * width)
                     ys.append(value(run[0]))
             bars = ax.bar(xs, ys, width, color=color, label=name)
-            ax.bar_label(bars, fmt="%.3g", fontsize=7)
-        ax.set_xticks(range(len(configs)), [f"batch {b}\nprompt {c}" for b, c in configs], fontsize=8)
+            ax.bar_label(bars, fmt=lambda v: f"{v:.3g}" if v < 1000 else f"{v:.0f}", fontsize=6,
+                         rotation=90, padding=2)
+        ax.set_xticks(range(len(configs)), [f"{b} × {c}" for b, c in configs], fontsize=8)
+        ax.set_xlabel("batch × prompt tokens", fontsize=8)
+        ax.margins(y=0.15)
         ax.set_title(label, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-    axes.flat[0].legend(fontsize=7)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(variants), fontsize=8)
     fig.suptitle("SmolLM2-135M, CPU, 1 thread (2 shared cores): full cache (Inductor) vs LoRC at "
                  "cache fraction 0.5 (lorc_backend), one run each", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
