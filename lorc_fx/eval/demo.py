@@ -106,7 +106,9 @@ def run_demo(cache_fraction: float, out_dir: str, plan_options: dict, tokens: in
         seconds["compiled_decode"] = time.perf_counter() - start
         log(f"\ncompiled decode ({new_tokens} tokens, static cache, {speed['threads']} thread(s)): "
             f"full + Inductor {speed['full_inductor_tokens_per_s']:.1f} tok/s, compressed + "
-            f"lorc_backend {speed['compressed_lorc_tokens_per_s']:.1f} tok/s")
+            f"lorc_backend {speed['compressed_lorc_tokens_per_s']:.1f} tok/s (a short prompt, "
+            "where the model's weights dominate a step, not the cache; bench/long_context.py "
+            "measures long prompts)")
 
     data = {"plan": report.to_json(), "cache_bytes_per_token": {"full": full_bytes,
                                                                "compressed": kept_bytes},
