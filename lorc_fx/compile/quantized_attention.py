@@ -100,7 +100,7 @@ def quantized_kv_attention(query, k_side, v_side, attn_mask=None, scale: float |
     if _fused_applies(keys, values, attn_mask):
         out = torch.ops.lorc.code_attention(
             grouped, *keys.codes[:3], keys.codes[3], *values.codes[:3], values.codes[3],
-            keys.rows_or_none(d), values.rows_or_none(d), keys.bias(attn_mask, b, t), scale)
+            keys.window_rows(d), values.window_rows(d), keys.bias(attn_mask, b, t), scale)
         return out.view(b, h, t, d).to(query.dtype)
     scores = keys.scores(grouped).view(b, h, t, -1) * scale
     probs = keys.softmax(scores, attn_mask).view(b, kv_heads, h // kv_heads * t, -1)
@@ -184,7 +184,7 @@ class _Positions:
         parts = [] if self.codes is None else [_code_values(*self.codes)]
         return torch.cat(parts + ([] if self.window is None else [self.window]), dim=-2)
 
-    def rows_or_none(self, width: int):
+    def window_rows(self, width: int):
         """The window's rows ``(b, hk, rows, width)`` in float32, none of them where there is
         no window."""
         if self.window is not None:

@@ -1,6 +1,7 @@
-// The two reductions of decode attention over quantized cache codes, for x86-64 CPUs with
-// AVX2 (AVX-512 where the compiler targets it): lorc_fx/kernels/code_reductions.py builds this
-// file once per machine and calls it through ctypes.
+// Decode attention over quantized cache codes, its two reductions and a plain plan's whole
+// step fused, for x86-64 CPUs with AVX2 (AVX-512 where the compiler targets it):
+// lorc_fx/kernels/code_reductions.py builds this file once per machine and calls it through
+// ctypes.
 //
 // Layouts (lorc_fx/cache/quantize.py): codes are unsigned, 8 bits a byte or 4 bits two a byte
 // (a run of `len` codes packed in len/2 bytes, byte j holding code j in its low nibble and code

@@ -20,7 +20,7 @@ into Inductor's cache directory (``$TORCHINDUCTOR_CACHE_DIR``, a ``lorc`` folder
 its source, flags, compiler and this CPU's feature flags, and loaded with ``ctypes``; it runs
 on CPU tensors with 8- or 4-bit codes in groups of a multiple of ``GROUP_MULTIPLE``
 (``native_applies``). Everywhere else the ops compute the same sums from the codes
-dequantized (the reference: float32 tensor maths), as they do where the kernel cannot be
+dequantized (the reference: float32 tensor maths; 2-, 4- or 8-bit codes), as they do where the kernel cannot be
 built (no AVX2, no compiler: a warning says why, once).
 """
 from __future__ import annotations
@@ -101,7 +101,11 @@ def native_applies(device: torch.device, bits: int, group: int) -> bool:
 
 
 def _codes(payload: Tensor, bits: int) -> Tensor:
-    """Packed codes ``(..., bytes)`` as float32 ``(..., bytes·8/bits)`` in order."""
+    """Packed codes ``(..., bytes)`` as float32 ``(..., bytes·8/bits)`` in order. Only widths
+    that divide a byte unpack by shifts (``quantize.unpack_bits``, a layer above, reads 3-bit
+    words); the ops take no others."""
+    if 8 % bits:
+        raise ValueError(f"lorc::code_* ops read codes of 2, 4 or 8 bits, not {bits}")
     runs = [(payload >> (bits * i)) & ((1 << bits) - 1) for i in range(8 // bits)]
     return torch.cat(runs, dim=-1).float()
 
