@@ -6,6 +6,8 @@ plan, ``lorc_fx.plan.bit_allocation``). Results: bench/results/bit_waterfill-cpu
         --widths 4 --widths 2.4.8 --key-shares 0.3,0.4,0.5 [--sets self_held,news,austen,poems]
     OMP_NUM_THREADS=1 python bench/bit_waterfill.py --bits 4.5 --values kivi --group 256 \
         --widths 3.4.8 --key-shares 0 [--key-basis identity]
+    OMP_NUM_THREADS=2 python bench/bit_waterfill.py --coder codebook --sink 1 \
+        --preserve-variance --bits 2.56,1.92 --key-shares 0.35,0.4,0.45
 
 Today a plan stores each side's latent at one bit width and cuts its rank to fill the budget:
 channels are either kept at that width or dropped. The latent channels are the rows of a
@@ -30,6 +32,22 @@ the planner's key energies misjudge how layers compare with values (plan/allocat
 ``--widths 4`` is the plan's own trade (4-bit latents, rank cut per layer): the control.
 ``--values kivi`` keeps values as KIVI's 4-bit per-token codes (4.5 bits, no basis) and
 water-fills the keys alone with the rest of the budget (``--key-shares`` unused).
+
+Coders (``--coder``; how a kept channel's values are stored at its width):
+
+- ``uniform`` (the cache's codes): per channel over groups of ``--group`` tokens, 16-bit
+  scale and zero point, ``ρ_c(b)`` measured;
+- ``codebook``: each channel at ``b`` bits as the nearest of its own ``2^b`` levels, fitted by
+  Lloyd's algorithm (one-dimensional k-means) on the calibration sample, widths 1-6, no
+  scales: the tables are per model, like weights, not per token (``--preserve-variance``
+  scales a channel's reconstructions about its mean back to its variance, which centroids
+  shrink);
+- ``gaussian-bound``: no coder, the reference of what one at Shannon's rate-distortion bound
+  for a Gaussian source of the channel's variance would leave: independent noise of variance
+  ``σ_c²·2^(-2b)``, integer widths 1-12, no scales.
+
+``--sink N`` keeps the first N tokens of every window at 16 bits (the attention sink), their
+cost counted as 16 bits per value over 512-token windows and taken from the budget.
 
 Bits per value count everything: codes, 16-bit scales and zeros, and the RoPE angle log
 (64 16-bit values per token shared by all layers, +0.089), over 2·192·30 values per token.
@@ -69,6 +87,9 @@ SCALE = torch.float16
 ANGLE_BITS = 64 * 16  # the RoPE angle log, bits per token
 WIDTHS = (2, 3, 4, 8)
 KIVI_VALUES = QuantSpec.per_token(4, 64, SCALE)  # --values kivi: 4.5 bits per value
+CODEBOOK_WIDTHS = tuple(range(1, 7))  # --coder codebook: up to 64 levels a channel
+BOUND_WIDTHS = tuple(range(1, 13))  # --coder gaussian-bound
+SINK_BITS = 16 / 512  # a 16-bit sink token's bits per value, counted at 512-token windows
 
 
 class Codec:
@@ -80,29 +101,93 @@ class Codec:
         self.heads, self.style = heads, style
 
 
-def fake_quantize_channels(z, bits, group):
-    """``z (b, 1, s, r)``, each channel at ``bits[c]`` (0: dropped), per channel over groups of
-    ``group`` tokens; channels of one width share one call."""
+def kmeans_levels(x, bits, iters=30):
+    """Per channel of ``x (n, r)``, ``2^bits`` levels by Lloyd's algorithm in one dimension
+    (started at the quantiles): ``(r, 2^bits)``, sorted."""
+    x = x.T.contiguous()  # (r, n)
+    count = 2 ** bits
+    levels = torch.quantile(x, (torch.arange(count, dtype=x.dtype) + 0.5) / count, dim=1).T.contiguous()
+    for _ in range(iters):
+        idx = torch.searchsorted((levels[:, 1:] + levels[:, :-1]) / 2, x)
+        sums = torch.zeros_like(levels).scatter_add_(1, idx, x)
+        counts = torch.zeros_like(levels).scatter_add_(1, idx, torch.ones_like(x))
+        levels = torch.where(counts > 0, sums / counts.clamp_min(1), levels).sort(1).values
+    return levels
+
+
+def nearest_level(z, levels, values=None):
+    """Each of ``z (..., r)``'s channels replaced by its nearest of ``levels (r, L)`` (or by
+    the entry of ``values (r, L)`` at that level's place)."""
+    flat = z.reshape(-1, z.shape[-1]).T.contiguous()
+    idx = torch.searchsorted((levels[:, 1:] + levels[:, :-1]) / 2, flat)
+    return (levels if values is None else values).gather(1, idx).T.reshape(z.shape)
+
+
+def _by_width(z, bits, code):
+    """``z (b, 1, s, r)`` with the channels of each width ``b > 0`` replaced by
+    ``code(their columns, b, their indices)``; 0 bits: dropped."""
     out = torch.zeros_like(z)
-    for b in sorted(set(bits)):
-        if b == 0:
-            continue
+    for b in sorted(set(bits) - {0}):
         idx = torch.tensor([c for c, w in enumerate(bits) if w == b])
-        part = z[..., idx]
-        if b < 16:
-            part = fake_quantize(part, QuantSpec.per_channel(b, group, SCALE))[0]
-        out[..., idx] = part
+        out[..., idx] = code(z[..., idx], b, idx)
     return out
 
 
-class WaterLayer(DynamicLayer):
-    """Scores one forward: the incoming keys/values through the fake-quantized latents
-    (``bits`` set), or, collecting, adds each channel's squared quantization error per
-    width to ``stats``."""
+class UniformCoder:
+    """Today's codes: per channel over groups of ``group`` tokens, 16-bit scale and zero."""
 
-    def __init__(self, idx, codec: Codec, bits=None, group=64, stats=None):
+    def __init__(self, group):
+        self.group, self.overhead_group = group, group
+
+    def __call__(self, z, bits):
+        return _by_width(z, bits, lambda part, b, idx: part if b >= 16 else fake_quantize(
+            part, QuantSpec.per_channel(b, self.group, SCALE))[0])
+
+
+class CodebookCoder:
+    """``--coder codebook``: channel ``c`` at ``b`` bits as the nearest of its ``2^b`` levels
+    fitted on calibration text, no scales (the tables belong to the model, not the cache).
+    ``books[b] = (levels, reconstructions)``, each ``(r, 2^b)``."""
+
+    overhead_group = math.inf
+
+    def __init__(self, books):
+        self.books = books
+
+    def __call__(self, z, bits):
+        def code(part, b, idx):
+            levels, values = self.books[b]
+            return nearest_level(part.float(), levels[idx], values[idx]).to(part.dtype)
+        return _by_width(z, bits, code)
+
+
+class GaussianBound:
+    """``--coder gaussian-bound``: not a coder but what one at Shannon's rate-distortion bound
+    for a Gaussian source leaves at ``b`` bits per token: independent noise of variance
+    ``σ_c² · 2^(-2b)`` (``σ_c`` the channel's calibration standard deviation), no scales."""
+
+    overhead_group = math.inf
+
+    def __init__(self, std, generator):
+        self.std, self.generator = std, generator
+
+    def __call__(self, z, bits):
+        def code(part, b, idx):
+            noise = torch.randn(part.shape, generator=self.generator, dtype=part.dtype)
+            return part + noise * (self.std[idx].to(part.dtype) * 2.0 ** -b)
+        return _by_width(z, bits, code)
+
+
+class WaterLayer(DynamicLayer):
+    """Scores one forward: the incoming keys/values through the latents at ``bits`` coded by
+    ``coders`` (keys', values'), the first ``sink`` tokens left at 16 bits; or, collecting,
+    adds each channel's moments, squared rounding errors per width (``UniformCoder(group)``)
+    and samples (the sink's left out) to ``stats``."""
+
+    def __init__(self, idx, codec: Codec, bits=None, coders=None, sink=0, group=64, stats=None):
         super().__init__()
-        self.idx, self.codec, self.bits, self.group, self.stats = idx, codec, bits, group, stats
+        self.idx, self.codec, self.bits, self.coders = idx, codec, bits, coders
+        self.sink, self.group, self.stats = sink, group, stats
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -113,28 +198,35 @@ class WaterLayer(DynamicLayer):
         zv = project_math(value_states, c.vp)
         if self.stats is not None:
             for side, z in (("k", zk), ("v", zv)):
-                s = self.stats.setdefault((self.idx, side), {"power": 0.0})
+                s = self.stats.setdefault((self.idx, side), {"power": 0.0, "sum": 0.0, "count": 0,
+                                                             "samples": []})
                 s["power"] = s["power"] + (z.double() ** 2).sum((0, 1, 2))
+                s["sum"] = s["sum"] + z.double().sum((0, 1, 2))
+                s["count"] += z[..., 0].numel()
+                s["samples"].append(z[:, :, self.sink:].reshape(-1, z.shape[-1]).float())
                 for b in WIDTHS:
                     err = fake_quantize(z, QuantSpec.per_channel(b, self.group, SCALE))[0] - z
                     s[b] = s.get(b, 0.0) + (err.double() ** 2).sum((0, 1, 2))
             self.keys, self.values = key_states, value_states
             return key_states, value_states
-        kb, vb = self.bits
-        keys = rotate(reconstruct_math(fake_quantize_channels(zk, kb, self.group), c.kb, c.heads),
-                      cos, sin, c.style)
+        (kb, vb), (kc, vc) = self.bits, self.coders
+        keys = rotate(reconstruct_math(kc(zk, kb), c.kb, c.heads), cos, sin, c.style)
         if vb is None:  # KIVI's values: per token, groups of 64 channels, no basis
             values = fake_quantize(value_states, KIVI_VALUES)[0]
         else:
-            values = reconstruct_math(fake_quantize_channels(zv, vb, self.group), c.vb, c.heads)
+            values = reconstruct_math(vc(zv, vb), c.vb, c.heads)
+        s = self.sink  # the first tokens of the window as they came
+        keys = torch.cat([key_states[:, :, :s], keys[:, :, s:]], 2)
+        values = torch.cat([value_states[:, :, :s], values[:, :, s:]], 2)
         self.keys, self.values = keys, values
         return keys, values
 
 
 class WaterCache(Cache):
-    def __init__(self, codecs, bits=None, group=64, stats=None):
-        super().__init__(layers=[WaterLayer(i, c, None if bits is None else bits[i], group, stats)
-                                 for i, c in enumerate(codecs)])
+    def __init__(self, codecs, bits=None, coders=None, sink=0, group=64, stats=None):
+        super().__init__(layers=[
+            WaterLayer(i, c, None if bits is None else bits[i], None if coders is None else coders[i],
+                       sink, group, stats) for i, c in enumerate(codecs)])
 
 
 def spectra(model, blocks):
@@ -156,41 +248,82 @@ def identity_keys(spectrum: Spectrum) -> Spectrum:
 
 def allocate(energies, rho, budget, widths, group):
     """The planner's water-filling (``plan.bit_allocation.allocate``) and the bits per token
-    it spends."""
+    it spends (``group``: tokens per 16-bit scale and zero; ``math.inf``: none)."""
     bits = water_fill(energies, rho, budget, widths, group)
     return bits, sum(b + 32 / group for layer in bits for b in layer if b)
 
 
-def plan_bits(k_spectra, v_spectra, stats, target, key_share, widths, group, values_per_token,
-              kivi_values=False):
-    """Per layer (key bits, value bits) at ``target`` bits per value; with ``kivi_values``
-    the values are KIVI's 4-bit per-token codes (4.5 bits each, value bits ``None``) and the
-    keys take the rest of the budget."""
+def uniform_errors(stats):
+    """``UniformCoder``'s relative rounding errors per side, width and channel, as measured."""
+    return {key: {b: (s[b] / s["power"].clamp_min(1e-30)).tolist() for b in WIDTHS}
+            for key, s in stats.items()}
+
+
+def fit_codebooks(stats, preserve_variance):
+    """Per side, a ``CodebookCoder`` over ``CODEBOOK_WIDTHS`` fitted on the calibration
+    samples, and its relative errors there. ``preserve_variance``: the reconstructions
+    scaled about the channel's mean to its variance (centroids shrink a channel)."""
+    coders, rho = {}, {}
+    for key, s in stats.items():
+        x = torch.cat(s["samples"])
+        books, rho[key] = {}, {}
+        for b in CODEBOOK_WIDTHS:
+            levels = kmeans_levels(x, b)
+            values = levels
+            if preserve_variance:
+                mean = x.mean(0)
+                spread = ((x - mean) ** 2).sum(0) / ((nearest_level(x, levels) - mean) ** 2).sum(0)
+                values = mean[:, None] + (levels - mean[:, None]) * spread.clamp_min(1e-30).sqrt()[:, None]
+            books[b] = (levels, values)
+            err = nearest_level(x, levels, values) - x
+            rho[key][b] = ((err.double() ** 2).sum(0) / s["power"].clamp_min(1e-30)).tolist()
+        coders[key] = CodebookCoder(books)
+    return coders, rho
+
+
+def gaussian_bounds(stats):
+    """Per side, a ``GaussianBound`` and its relative errors ``(σ² / power) · 2^(-2b)``."""
+    generator = torch.Generator().manual_seed(0)
+    coders, rho = {}, {}
+    for key, s in stats.items():
+        variance = (s["power"] / s["count"] - (s["sum"] / s["count"]) ** 2).clamp_min(0)
+        share = variance * s["count"] / s["power"].clamp_min(1e-30)
+        coders[key] = GaussianBound(variance.sqrt().float(), generator)
+        rho[key] = {b: (share * 2.0 ** (-2 * b)).tolist() for b in BOUND_WIDTHS}
+    return coders, rho
+
+
+def plan_bits(k_spectra, v_spectra, rho, target, key_share, widths, group, values_per_token,
+              kivi_values=False, sink=0):
+    """Per layer (key bits, value bits) at ``target`` bits per value, a 16-bit ``sink``'s
+    bits taken from it; with ``kivi_values`` the values are KIVI's 4-bit per-token codes
+    (4.5 bits each, value bits ``None``) and the keys take the rest of the budget."""
     layers = range(len(k_spectra))
-    budget = target * values_per_token - ANGLE_BITS
-    rho = {key: {b: (s[b] / s["power"].clamp_min(1e-30)).tolist() for b in WIDTHS}
-           for key, s in stats.items()}
+    budget = (target - sink * SINK_BITS) * values_per_token - ANGLE_BITS
     k_energy = [s.energy for s in k_spectra]
     if kivi_values:
         fixed = KIVI_VALUES.bits_per_value() * sum(v.width for v in v_spectra)
         kbits, kspent = allocate(k_energy, [rho[(l, "k")] for l in layers], budget - fixed,
                                  widths, group)
-        return [(k, None) for k in kbits], (kspent + fixed + ANGLE_BITS) / values_per_token
+        return ([(k, None) for k in kbits],
+                (kspent + fixed + ANGLE_BITS) / values_per_token + sink * SINK_BITS)
     kbits, kspent = allocate(k_energy, [rho[(l, "k")] for l in layers], key_share * budget,
                              widths, group)
     vbits, vspent = allocate([s.energy for s in v_spectra], [rho[(l, "v")] for l in layers],
                              budget - kspent, widths, group)
-    bits = (kspent + vspent + ANGLE_BITS) / values_per_token
+    bits = (kspent + vspent + ANGLE_BITS) / values_per_token + sink * SINK_BITS
     return list(zip(kbits, vbits)), bits
 
 
 @torch.no_grad()
-def score(model, windows, codecs, bits=None, group=64, stats=None, batch_size=2):
+def score(model, windows, codecs, bits=None, coders=None, sink=0, group=64, stats=None,
+          batch_size=2):
     total, count, per = 0.0, 0, []
     for batch in windows.split(batch_size):
         kwargs = {"use_cache": False}
         if codecs is not None:
-            kwargs = {"use_cache": True, "past_key_values": WaterCache(codecs, bits, group, stats)}
+            kwargs = {"use_cache": True,
+                      "past_key_values": WaterCache(codecs, bits, coders, sink, group, stats)}
         logits = model(batch, **kwargs).logits[:, :-1].float()
         ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch[:, 1:], reduction="none")
         per += ce.mean(1).tolist()
@@ -211,7 +344,18 @@ def main():
                     help="kivi: values as KIVI's 4-bit per-token codes, keys take the rest")
     ap.add_argument("--key-basis", choices=("planner", "identity"), default="planner",
                     help="identity: water-fill the keys' own pre-RoPE channels (no basis)")
+    ap.add_argument("--coder", choices=("uniform", "codebook", "gaussian-bound"), default="uniform",
+                    help="how kept channels are stored (module docstring)")
+    ap.add_argument("--sink", type=int, default=0,
+                    help="the first N tokens of each window at 16 bits; their bits, counted at "
+                         "512-token windows, come out of the budget")
+    ap.add_argument("--preserve-variance", action="store_true",
+                    help="codebook: each channel's reconstructions scaled about its mean to "
+                         "its calibration variance (centroids shrink it)")
     args = ap.parse_args()
+    if args.coder != "uniform" and (args.widths or args.values == "kivi"):
+        ap.error(f"--coder {args.coder} picks its own widths and codes both sides: "
+                 "drop --widths and --values kivi")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     model = lorc_fx.load_model("default")
     tok = lorc_fx.load_tokenizer("default")
@@ -227,8 +371,18 @@ def main():
     selfs = self_sets(model)
     stats = {}
     t = time.time()
-    score(model, selfs["self_calib"], codecs, None, args.group, stats)
+    score(model, selfs["self_calib"], codecs, sink=args.sink, group=args.group, stats=stats)
     print(f"quantization errors measured on the calibration sample ({time.time() - t:.0f}s)", flush=True)
+    if args.coder == "uniform":
+        uniform = UniformCoder(args.group)
+        side_coders, rho = {key: uniform for key in stats}, uniform_errors(stats)
+        allowed = args.widths or ["4"]
+    else:
+        side_coders, rho = (fit_codebooks(stats, args.preserve_variance) if args.coder == "codebook"
+                            else gaussian_bounds(stats))
+        allowed = [".".join(map(str, CODEBOOK_WIDTHS if args.coder == "codebook" else BOUND_WIDTHS))]
+    coders = [(side_coders[(l, "k")], side_coders[(l, "v")]) for l in range(len(codecs))]
+    overhead_group = coders[0][0].overhead_group
     sets = {n: selfs[n] if n.startswith("self") else
             evaluation_windows(tok, lorc_fx.load_text(n), args.tokens, 512)
             for n in args.sets.split(",")}
@@ -240,27 +394,32 @@ def main():
             loss, per = score(model, w, None)
             full[key] = {"loss": loss, "per": per}
         base[n] = full[key]
-    loss16, _ = score(model, sets[next(iter(sets))], codecs, [([16] * k.width, [16] * v.width)
-                                                            for k, v in zip(ks, vs)], args.group)
-    print(f"full-rank 16-bit latents on {next(iter(sets))}: Δloss {loss16 - base[next(iter(sets))]['loss']:+.5f}", flush=True)
+    first = next(iter(sets))
+    loss16, _ = score(model, sets[first], codecs, [([16] * k.width, [16] * v.width)
+                                                   for k, v in zip(ks, vs)],
+                      [(UniformCoder(64),) * 2] * len(codecs))
+    print(f"full-rank 16-bit latents on {first}: Δloss {loss16 - base[first]['loss']:+.5f}", flush=True)
     for target in (float(b) for b in args.bits.split(",")):
-        for widths in (args.widths or ["4"]):
+        for widths in allowed:
             wtuple = tuple(int(b) for b in widths.split("."))
             for share in (float(s) for s in args.key_shares.split(",")):
-                bits, measured = plan_bits(ks, vs, stats, target, share, wtuple, args.group,
-                                           values_per_token, args.values == "kivi")
+                bits, measured = plan_bits(ks, vs, rho, target, share, wtuple, overhead_group,
+                                           values_per_token, args.values == "kivi", args.sink)
                 hist = {b: sum(x.count(b) for kv in bits for x in kv if x is not None)
-                        for b in (0, *WIDTHS)}
+                        for b in (0, *wtuple)}
                 for n, w in sets.items():
                     t = time.time()
-                    loss, per = score(model, w, codecs, bits, args.group)
+                    loss, per = score(model, w, codecs, bits, coders, args.sink)
                     d = [a - b for a, b in zip(per, base[n]["per"])]
                     m = sum(d) / len(d)
                     se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
                     dloss = loss - base[n]["loss"]
                     rec = {"target": target, "widths": widths, "values": args.values,
+                           "coder": args.coder, "sink": args.sink,
+                           "preserve_variance": args.preserve_variance,
                            "key_basis": args.key_basis,
-                           "key_share": None if args.values == "kivi" else share, "group": args.group,
+                           "key_share": None if args.values == "kivi" else share,
+                           "group": args.group if args.coder == "uniform" else None,
                            "bits": measured, "set": n, "dloss": dloss, "ratio": math.exp(dloss),
                            "se": se, "channels_per_width": hist,
                            "key_channels": sum(sum(1 for x in k if x) for k, _ in bits),
