@@ -180,9 +180,9 @@ class GaussianBound:
 
 class WaterLayer(DynamicLayer):
     """Scores one forward: the incoming keys/values through the latents at ``bits`` coded by
-    ``coders`` (keys', values'), the first ``sink`` tokens left at 16 bits; or, collecting,
-    adds each channel's moments, squared rounding errors per width (``UniformCoder(group)``)
-    and samples (the sink's left out) to ``stats``."""
+    ``coders`` (keys', values'), the first ``sink`` tokens' latents left as they came (16
+    bits); or, collecting, adds the coded tokens' moments per channel, squared rounding errors
+    per width (``UniformCoder(group)``) and samples to ``stats``."""
 
     def __init__(self, idx, codec: Codec, bits=None, coders=None, sink=0, group=64, stats=None):
         super().__init__()
@@ -196,28 +196,31 @@ class WaterLayer(DynamicLayer):
         cos, sin = Ctx.cos[self.idx].to(key_states.dtype), Ctx.sin[self.idx].to(key_states.dtype)
         zk = project_math(rotate(key_states, cos, sin, c.style, inverse=True), c.kp)
         zv = project_math(value_states, c.vp)
+        n = self.sink  # the window's first tokens: never coded, their latents kept as they came
         if self.stats is not None:
-            for side, z in (("k", zk), ("v", zv)):
+            for side, z in (("k", zk[:, :, n:]), ("v", zv[:, :, n:])):
                 s = self.stats.setdefault((self.idx, side), {"power": 0.0, "sum": 0.0, "count": 0,
                                                              "samples": []})
                 s["power"] = s["power"] + (z.double() ** 2).sum((0, 1, 2))
                 s["sum"] = s["sum"] + z.double().sum((0, 1, 2))
                 s["count"] += z[..., 0].numel()
-                s["samples"].append(z[:, :, self.sink:].reshape(-1, z.shape[-1]).float())
+                s["samples"].append(z.reshape(-1, z.shape[-1]).float())
                 for b in WIDTHS:
                     err = fake_quantize(z, QuantSpec.per_channel(b, self.group, SCALE))[0] - z
                     s[b] = s.get(b, 0.0) + (err.double() ** 2).sum((0, 1, 2))
             self.keys, self.values = key_states, value_states
             return key_states, value_states
         (kb, vb), (kc, vc) = self.bits, self.coders
-        keys = rotate(reconstruct_math(kc(zk, kb), c.kb, c.heads), cos, sin, c.style)
+
+        def coded(z, bits, coder):
+            return torch.cat([z[:, :, :n], coder(z[:, :, n:], bits)], 2)
+
+        keys = rotate(reconstruct_math(coded(zk, kb, kc), c.kb, c.heads), cos, sin, c.style)
         if vb is None:  # KIVI's values: per token, groups of 64 channels, no basis
-            values = fake_quantize(value_states, KIVI_VALUES)[0]
+            values = torch.cat([value_states[:, :, :n],
+                                fake_quantize(value_states[:, :, n:], KIVI_VALUES)[0]], 2)
         else:
-            values = reconstruct_math(vc(zv, vb), c.vb, c.heads)
-        s = self.sink  # the first tokens of the window as they came
-        keys = torch.cat([key_states[:, :, :s], keys[:, :, s:]], 2)
-        values = torch.cat([value_states[:, :, :s], values[:, :, s:]], 2)
+            values = reconstruct_math(coded(zv, vb, vc), c.vb, c.heads)
         self.keys, self.values = keys, values
         return keys, values
 
