@@ -8,6 +8,9 @@ plan, ``lorc_fx.plan.bit_allocation``). Results: bench/results/bit_waterfill-cpu
         --widths 3.4.8 --key-shares 0 [--key-basis identity]
     OMP_NUM_THREADS=2 python bench/bit_waterfill.py --coder codebook --sink 1 \
         --preserve-variance --bits 2.56,1.92 --key-shares 0.35,0.4,0.45
+    OMP_NUM_THREADS=2 python bench/bit_waterfill.py --coder vector --tuple-dims 16 \
+        --half-widths --sink 1 --preserve-variance --bits 2.56,1.92 \
+        --key-shares 0.35,0.4,0.45 --choose-share --sets self_held,news,austen,poems [--books FILE]
 
 Today a plan stores each side's latent at one bit width and cuts its rank to fill the budget:
 channels are either kept at that width or dropped. The latent channels are the rows of a
@@ -42,6 +45,14 @@ Coders (``--coder``; how a kept channel's values are stored at its width):
   scales: the tables are per model, like weights, not per token (``--preserve-variance``
   scales a channel's reconstructions about its mean back to its variance, which centroids
   shrink);
+- ``vector``: product vector codes (``lorc_fx.cache.vector_codes``): channels allocated in
+  tuples of ``--tuple-dims`` consecutive channels (8 or 16), one width a tuple; a tuple at
+  ``b`` bits a channel is cut into sub-vectors of ``d`` channels (``sub_dims``: 16 at 0.5
+  bits in tuples of 16, 8 in tuples of 8; 8 at 1 bit, 4 at 1.5 and 2, 2 at 2.5 and 3, 1 from
+  4 bits on), each coded as the index of its nearest of ``2^(d·b)`` codewords fitted by
+  k-means on the calibration sample, no scales (``--half-widths`` adds 0.5, 1.5 and 2.5
+  bits; ``--preserve-variance`` as for codebooks; ``--rho-on self_held``: the allocation's
+  errors measured out of the fit's sample);
 - ``gaussian-bound``: no coder, the reference of what one at Shannon's rate-distortion bound
   for a Gaussian source of the channel's variance would leave: independent noise of variance
   ``σ_c²·2^(-2b)``, integer widths 1-12, no scales.
@@ -66,6 +77,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 
 import lorc_fx  # noqa: E402
@@ -73,6 +85,8 @@ from lorc_fx.api import _plan_inputs, checked_options  # noqa: E402
 from lorc_fx.cache.latent_ops import project_math, reconstruct_math  # noqa: E402
 from lorc_fx.cache.quantize import QuantSpec, fake_quantize  # noqa: E402
 from lorc_fx.cache.rotary import rotate  # noqa: E402
+from lorc_fx.cache.vector_codes import (VECTOR_WIDTHS, VectorSpec, decode, encode, fit,  # noqa: E402
+                                        select, sub_dims)
 from lorc_fx.eval.evaluate import evaluation_windows  # noqa: E402
 from lorc_fx.plan.bit_allocation import allocate as water_fill  # noqa: E402
 from lorc_fx.plan.planner import _key_spectrum, _value_spectrum  # noqa: E402
@@ -89,6 +103,7 @@ WIDTHS = (2, 3, 4, 8)
 KIVI_VALUES = QuantSpec.per_token(4, 64, SCALE)  # --values kivi: 4.5 bits per value
 CODEBOOK_WIDTHS = tuple(range(1, 7))  # --coder codebook: up to 64 levels a channel
 BOUND_WIDTHS = tuple(range(1, 13))  # --coder gaussian-bound
+HALF_WIDTHS = tuple(b for b in VECTOR_WIDTHS if b % 1)  # --coder vector --half-widths
 SINK_BITS = 16 / 512  # a 16-bit sink token's bits per value, counted at 512-token windows
 
 
@@ -159,6 +174,48 @@ class CodebookCoder:
             levels, values = self.books[b]
             return nearest_level(part.float(), levels[idx], values[idx]).to(part.dtype)
         return _by_width(z, bits, code)
+
+
+class VectorCoder:
+    """``--coder vector`` (``lorc_fx.cache.vector_codes``): the channels in tuples of
+    ``tuple_dims`` consecutive channels (energy order), one width a tuple; a tuple at ``b``
+    bits a channel is coded as sub-vectors of ``sub_dims(b)`` channels, each the nearest of
+    its own codewords fitted on calibration text (k-means), no scales. ``books[b]``: every
+    channel at width ``b``; an allocation's book is cut from them (``select``)."""
+
+    overhead_group = math.inf
+
+    def __init__(self, books, tuple_dims):
+        self.books, self.tuple_dims = books, tuple_dims
+
+    def __call__(self, z, bits):
+        out = torch.zeros_like(z[:, 0], dtype=torch.float32)  # (b, s, r)
+        if any(bits):
+            book, kept = select(self.books, bits, self.tuple_dims)
+            out[..., kept] = decode(encode(z[:, 0, :, kept].float(), book), book)
+        return out[:, None].to(z.dtype)
+
+
+def fit_vectors(stats, tuple_dims, keep_variance, widths):
+    """Per side, a ``VectorCoder`` over ``widths`` fitted on the calibration samples."""
+    coders = {}
+    for key, s in tqdm(stats.items(), desc="vector codebooks"):
+        x = torch.cat(s["samples"])
+        coders[key] = VectorCoder({b: fit(x, VectorSpec(((x.shape[1], b),), tuple_dims),
+                                          keep_variance) for b in widths}, tuple_dims)
+    return coders
+
+
+def vector_errors(stats, coders):
+    """Per side, the relative errors per width and channel of its ``VectorCoder`` on the
+    samples of ``stats`` (the calibration sample it was fitted on, or ``--rho-on``'s)."""
+    rho = {}
+    for key, s in stats.items():
+        x = torch.cat(s["samples"])
+        rho[key] = {b: (((decode(encode(x[None], book), book)[0] - x).double() ** 2).sum(0)
+                        / s["power"].clamp_min(1e-30)).tolist()
+                    for b, book in coders[key].books.items()}
+    return rho
 
 
 class GaussianBound:
@@ -249,10 +306,16 @@ def identity_keys(spectrum: Spectrum) -> Spectrum:
     return Spectrum(eye, energy, torch.ones(spectrum.width + 1, dtype=torch.bool))
 
 
-def allocate(energies, rho, budget, widths, group):
+def allocate(energies, rho, budget, widths, group, unit=1):
     """The planner's water-filling (``plan.bit_allocation.allocate``) and the bits per token
-    it spends (``group``: tokens per 16-bit scale and zero; ``math.inf``: none)."""
-    bits = water_fill(energies, rho, budget, widths, group)
+    it spends (``group``: tokens per 16-bit scale and zero; ``math.inf``: none). ``unit``:
+    channels allocated together (consecutive tuples of that many, one width each; a
+    tuple's error is its channels')."""
+    tuple_energy = [e.view(-1, unit).sum(1) for e in energies]
+    tuple_rho = [{b: (e * torch.tensor(r[b], dtype=e.dtype)).view(-1, unit).sum(1)
+                  / te.clamp_min(1e-30) for b in r} for e, r, te in zip(energies, rho, tuple_energy)]
+    tuple_bits = water_fill(tuple_energy, tuple_rho, budget / unit, widths, group)
+    bits = [[b for b in layer for _ in range(unit)] for layer in tuple_bits]
     return bits, sum(b + 32 / group for layer in bits for b in layer if b)
 
 
@@ -297,7 +360,7 @@ def gaussian_bounds(stats):
 
 
 def plan_bits(k_spectra, v_spectra, rho, target, key_share, widths, group, values_per_token,
-              kivi_values=False, sink=0):
+              kivi_values=False, sink=0, unit=1):
     """Per layer (key bits, value bits) at ``target`` bits per value, a 16-bit ``sink``'s
     bits taken from it; with ``kivi_values`` the values are KIVI's 4-bit per-token codes
     (4.5 bits each, value bits ``None``) and the keys take the rest of the budget."""
@@ -307,13 +370,13 @@ def plan_bits(k_spectra, v_spectra, rho, target, key_share, widths, group, value
     if kivi_values:
         fixed = KIVI_VALUES.bits_per_value() * sum(v.width for v in v_spectra)
         kbits, kspent = allocate(k_energy, [rho[(l, "k")] for l in layers], budget - fixed,
-                                 widths, group)
+                                 widths, group, unit)
         return ([(k, None) for k in kbits],
                 (kspent + fixed + ANGLE_BITS) / values_per_token + sink * SINK_BITS)
     kbits, kspent = allocate(k_energy, [rho[(l, "k")] for l in layers], key_share * budget,
-                             widths, group)
+                             widths, group, unit)
     vbits, vspent = allocate([s.energy for s in v_spectra], [rho[(l, "v")] for l in layers],
-                             budget - kspent, widths, group)
+                             budget - kspent, widths, group, unit)
     bits = (kspent + vspent + ANGLE_BITS) / values_per_token + sink * SINK_BITS
     return list(zip(kbits, vbits)), bits
 
@@ -347,8 +410,19 @@ def main():
                     help="kivi: values as KIVI's 4-bit per-token codes, keys take the rest")
     ap.add_argument("--key-basis", choices=("planner", "identity"), default="planner",
                     help="identity: water-fill the keys' own pre-RoPE channels (no basis)")
-    ap.add_argument("--coder", choices=("uniform", "codebook", "gaussian-bound"), default="uniform",
-                    help="how kept channels are stored (module docstring)")
+    ap.add_argument("--coder", choices=("uniform", "codebook", "vector", "gaussian-bound"),
+                    default="uniform", help="how kept channels are stored (module docstring)")
+    ap.add_argument("--tuple-dims", type=int, default=8,
+                    help="vector: consecutive channels allocated one width together")
+    ap.add_argument("--books", help="vector: a file of fitted codebooks to read, or to write "
+                                     "once fitted (the fit takes ~18 min on 2 threads)")
+    ap.add_argument("--rho-on", choices=("self_held",),
+                    help="vector: the allocation's errors measured on this sample instead of "
+                         "the calibration sample the codebooks were fitted on")
+    ap.add_argument("--choose-share", action="store_true",
+                    help="evaluate every key share on the first set, the others at its best")
+    ap.add_argument("--half-widths", action="store_true",
+                    help=f"vector: widths {HALF_WIDTHS} too (a tuple's index a whole number of bits)")
     ap.add_argument("--sink", type=int, default=0,
                     help="the first N tokens of each window at 16 bits; their bits, counted at "
                          "512-token windows, come out of the budget")
@@ -379,11 +453,38 @@ def main():
     if args.coder == "uniform":
         uniform = UniformCoder(args.group)
         side_coders, rho = {key: uniform for key in stats}, uniform_errors(stats)
-        allowed = args.widths or ["4"]
+        allowed = [tuple(int(b) for b in w.split(".")) for w in args.widths or ["4"]]
     else:
-        side_coders, rho = (fit_codebooks(stats, args.preserve_variance) if args.coder == "codebook"
-                            else gaussian_bounds(stats))
-        allowed = [".".join(map(str, CODEBOOK_WIDTHS if args.coder == "codebook" else BOUND_WIDTHS))]
+        allowed = [BOUND_WIDTHS if args.coder == "gaussian-bound" else CODEBOOK_WIDTHS]
+        if args.coder == "vector" and args.half_widths:
+            allowed = [tuple(sorted(CODEBOOK_WIDTHS + HALF_WIDTHS))]
+        if args.coder != "vector":
+            side_coders, rho = (fit_codebooks(stats, args.preserve_variance)
+                                if args.coder == "codebook" else gaussian_bounds(stats))
+        else:
+            side_coders = {}
+            if args.books and Path(args.books).exists():
+                side_coders = torch.load(args.books, weights_only=False)
+                print(f"vector codebooks read from {args.books}", flush=True)
+            # what the file lacks, or holds cut otherwise than --tuple-dims cuts it: fitted
+            missing = [b for b in allowed[0] if not side_coders or any(
+                b not in c.books or c.books[b].spec.layout()[0][2] != sub_dims(b, args.tuple_dims)
+                for c in side_coders.values())]
+            if missing:
+                fitted = fit_vectors(stats, args.tuple_dims, args.preserve_variance, missing)
+                side_coders = {key: VectorCoder({**(side_coders[key].books if side_coders else {}),
+                                                 **fitted[key].books}, args.tuple_dims)
+                               for key in fitted}
+                if args.books:
+                    torch.save(side_coders, args.books)
+                    print(f"vector codebooks written to {args.books}", flush=True)
+            side_coders = {key: VectorCoder(c.books, args.tuple_dims)
+                           for key, c in side_coders.items()}
+        if args.coder == "vector":
+            if args.rho_on:  # the errors the allocation weighs, out of the fit's sample
+                stats = {}
+                score(model, selfs[args.rho_on], codecs, sink=args.sink, stats=stats)
+            rho = vector_errors(stats, side_coders)
     coders = [(side_coders[(l, "k")], side_coders[(l, "v")]) for l in range(len(codecs))]
     overhead_group = coders[0][0].overhead_group
     sets = {n: selfs[n] if n.startswith("self") else
@@ -402,37 +503,55 @@ def main():
                                                    for k, v in zip(ks, vs)],
                       [(UniformCoder(64),) * 2] * len(codecs))
     print(f"full-rank 16-bit latents on {first}: Δloss {loss16 - base[first]['loss']:+.5f}", flush=True)
+
+    def measure(target, wtuple, share, names):
+        """Δloss of the allocation at ``target`` bits, widths ``wtuple`` and keys' ``share``
+        on each set of ``names``, written out."""
+        widths = ".".join(map(str, wtuple))
+        bits, measured = plan_bits(ks, vs, rho, target, share, wtuple, overhead_group,
+                                   values_per_token, args.values == "kivi", args.sink,
+                                   args.tuple_dims if args.coder == "vector" else 1)
+        hist = {b: sum(x.count(b) for kv in bits for x in kv if x is not None)
+                for b in (0, *wtuple)}
+        out = {}
+        for n in names:
+            w = sets[n]
+            t = time.time()
+            loss, per = score(model, w, codecs, bits, coders, args.sink)
+            d = [a - b for a, b in zip(per, base[n]["per"])]
+            m = sum(d) / len(d)
+            se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+            dloss = out[n] = loss - base[n]["loss"]
+            rec = {"target": target, "widths": widths, "values": args.values,
+                   "coder": args.coder, "sink": args.sink,
+                   "tuple_dims": args.tuple_dims if args.coder == "vector" else None,
+                   "rho_on": args.rho_on or "self_calib",
+                   "preserve_variance": args.preserve_variance,
+                   "key_basis": args.key_basis,
+                   "key_share": None if args.values == "kivi" else share,
+                   "group": args.group if args.coder == "uniform" else None,
+                   "bits": measured, "set": n, "dloss": dloss, "ratio": math.exp(dloss),
+                   "se": se, "channels_per_width": hist,
+                   "key_channels": sum(sum(1 for x in k if x) for k, _ in bits),
+                   "value_channels": sum(sum(1 for x in v if x) for _, v in bits
+                                         if v is not None),
+                   "seconds": time.time() - t}
+            with OUT.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"{target:.2f} b  widths {widths:8s} keys {share:.2f}  {n:10s} bits {measured:.3f} "
+                  f"Δloss {dloss:+.4f}±{se:.4f} ×{math.exp(dloss):.4f}  {hist}", flush=True)
+        return out
+
     for target in (float(b) for b in args.bits.split(",")):
-        for widths in allowed:
-            wtuple = tuple(int(b) for b in widths.split("."))
-            for share in (float(s) for s in args.key_shares.split(",")):
-                bits, measured = plan_bits(ks, vs, rho, target, share, wtuple, overhead_group,
-                                           values_per_token, args.values == "kivi", args.sink)
-                hist = {b: sum(x.count(b) for kv in bits for x in kv if x is not None)
-                        for b in (0, *wtuple)}
-                for n, w in sets.items():
-                    t = time.time()
-                    loss, per = score(model, w, codecs, bits, coders, args.sink)
-                    d = [a - b for a, b in zip(per, base[n]["per"])]
-                    m = sum(d) / len(d)
-                    se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
-                    dloss = loss - base[n]["loss"]
-                    rec = {"target": target, "widths": widths, "values": args.values,
-                           "coder": args.coder, "sink": args.sink,
-                           "preserve_variance": args.preserve_variance,
-                           "key_basis": args.key_basis,
-                           "key_share": None if args.values == "kivi" else share,
-                           "group": args.group if args.coder == "uniform" else None,
-                           "bits": measured, "set": n, "dloss": dloss, "ratio": math.exp(dloss),
-                           "se": se, "channels_per_width": hist,
-                           "key_channels": sum(sum(1 for x in k if x) for k, _ in bits),
-                           "value_channels": sum(sum(1 for x in v if x) for _, v in bits
-                                                 if v is not None),
-                           "seconds": time.time() - t}
-                    with OUT.open("a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                    print(f"{target:.2f} b  widths {widths:8s} keys {share:.2f}  {n:10s} bits {measured:.3f} "
-                          f"Δloss {dloss:+.4f}±{se:.4f} ×{math.exp(dloss):.4f}  {hist}", flush=True)
+        for wtuple in allowed:
+            shares = [float(s) for s in args.key_shares.split(",")]
+            if args.choose_share:
+                on_first = {share: measure(target, wtuple, share, [first])[first] for share in shares}
+                measure(target, wtuple, min(on_first, key=on_first.get),
+                        [n for n in sets if n != first])
+            else:
+                for share in shares:
+                    measure(target, wtuple, share, list(sets))
 
 
 if __name__ == "__main__":

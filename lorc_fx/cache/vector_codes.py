@@ -1,0 +1,246 @@
+"""Product vector codes: a latent side coded against codebooks fitted once per model.
+
+Why (issue #13's low budgets): below about three bits per cached value, per-group integer
+codes spend half a bit of every kept value on 16-bit scales and zero points, and a scalar
+code can spend neither a fraction of a bit nor what channels' values share. Coding each token's latent
+against codebooks fitted on calibration latents (the tables belong to the model, like its
+weights; no per-token metadata) is what bench/bit_waterfill.py measured closest to the
+rate-distortion bound (bench/results/bit_waterfill-cpu.md, docs/design.md "Quantized latents").
+
+Layout (:class:`VectorSpec`): the side's ``r`` channels in runs, each ``(channels, bits)``
+with ``bits`` per channel per token a multiple of 1/2, in channel order. A run is cut into
+sub-vectors of ``d = sub_dims(bits)`` consecutive channels; each sub-vector ``s`` has its own
+table of ``2^(d·bits)`` codewords, and a token stores the index of its nearest codeword:
+``d·bits`` bits a sub-vector, so a run costs exactly ``channels·bits`` bits a token. Indices
+are packed along the token axis by :func:`quantize.pack_bits` (8 tokens' indices in
+``d·bits`` bytes), so codes come in blocks of 8 tokens; a partial last block is padded with
+the last token and its bytes counted.
+
+A :class:`VectorBook` holds, per run, the encoder's codewords and the decoder's
+reconstructions (``(S, K, d)`` each): the reconstructions are the codewords, or the codewords
+scaled about each channel's mean so that reconstructions keep the channel's variance
+(centroids shrink it; measured better on held-out text, same file).
+
+This module imports nothing from lorc_fx but ``quantize``'s packing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .quantize import pack_bits, unpack_bits
+
+INDEX_BITS = 8  # at most 2^8 codewords a sub-vector: an index fits a byte
+VECTOR_WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3)  # widths coded in sub-vectors of more than one channel
+BLOCK = 8  # tokens whose indices pack together (8 indices of any width fill whole bytes)
+
+
+def sub_dims(bits: float, most: int = 8) -> int:
+    """Channels per sub-vector at ``bits`` bits a channel: the most of 16, 8, 4, 2 (at most
+    ``most``) whose index ``d·bits`` is a whole number of at most ``INDEX_BITS`` bits; 1 for
+    widths past ``VECTOR_WIDTHS`` (whole bits only), whose codebooks are scalar."""
+    if bits in VECTOR_WIDTHS:
+        for d in (16, 8, 4, 2):
+            if d <= most and d * bits <= INDEX_BITS and float(d * bits).is_integer():
+                return d
+    if not float(bits).is_integer() or not 1 <= bits <= INDEX_BITS:
+        raise ValueError(f"bits per channel must be one of {VECTOR_WIDTHS} or a whole number "
+                         f"up to {INDEX_BITS}, not {bits}")
+    return 1
+
+
+@dataclass(frozen=True)
+class VectorSpec:
+    """Runs of ``(channels, bits)`` covering a side's channels in order; every run a whole
+    number of sub-vectors. ``tuple_dims`` caps the sub-vector length (the allocation's
+    unit: channels given one width together)."""
+    runs: tuple[tuple[int, float], ...]
+    tuple_dims: int = 8
+
+    def __post_init__(self):
+        if not self.runs:
+            raise ValueError("a vector spec needs at least one run")
+        for channels, bits in self.runs:
+            d = sub_dims(bits, self.tuple_dims)
+            if channels < 1 or channels % d:
+                raise ValueError(f"a run of {channels} channels at {bits} bits is not a whole "
+                                 f"number of {d}-channel sub-vectors")
+
+    @property
+    def width(self) -> int:
+        return sum(c for c, _ in self.runs)
+
+    def layout(self) -> list[tuple[int, int, int, int]]:
+        """``(first channel, sub-vectors, channels each, index bits)`` of every run."""
+        out, at = [], 0
+        for channels, bits in self.runs:
+            d = sub_dims(bits, self.tuple_dims)
+            out.append((at, channels // d, d, int(d * bits)))
+            at += channels
+        return out
+
+    def bits_per_token(self) -> float:
+        return sum(c * b for c, b in self.runs)
+
+    def nbytes(self, batch: int, tokens: int) -> int:
+        """Exact bytes :func:`encode` stores for ``tokens`` tokens of ``batch`` rows."""
+        blocks = -(-tokens // BLOCK)
+        return batch * blocks * sum(s * ib for _, s, _, ib in self.layout())
+
+
+@dataclass(frozen=True)
+class VectorBook:
+    """Per run of a :class:`VectorSpec`: ``(codewords, reconstructions)``, each ``(S, K, d)``."""
+    spec: VectorSpec
+    tables: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    def __post_init__(self):
+        for (_, subs, d, ib), (codewords, values) in zip(self.spec.layout(), self.tables, strict=True):
+            if codewords.shape != (subs, 1 << ib, d) or values.shape != codewords.shape:
+                raise ValueError(f"a run of {subs} {d}-channel sub-vectors with {ib}-bit indices "
+                                 f"takes tables of {(subs, 1 << ib, d)}, not "
+                                 f"{tuple(codewords.shape)} and {tuple(values.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes + v.nbytes for c, v in self.tables)
+
+
+@dataclass(frozen=True)
+class VectorCodes:
+    """Packed indices per run, each ``(batch, S, blocks·index bits)`` uint8, standing for
+    ``tokens`` tokens."""
+    spec: VectorSpec
+    payload: tuple[torch.Tensor, ...]
+    tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.payload)
+
+
+def _sub_vectors(z: torch.Tensor, first: int, subs: int, d: int) -> torch.Tensor:
+    """``z (b, n, r)``'s channels ``first .. first + subs·d`` as ``(b, subs, n, d)``."""
+    b, n, _ = z.shape
+    return z[..., first:first + subs * d].reshape(b, n, subs, d).transpose(1, 2)
+
+
+def nearest(x: torch.Tensor, codewords: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Index of the nearest of ``codewords (S, K, d)`` to each of ``x (..., S, n, d)``:
+    ``(..., S, n)`` int64, ``chunk`` tokens at a time (one channel a sub-vector: by bisection
+    between the sorted codewords' midpoints)."""
+    lead, (subs, n, d) = x.shape[:-3], x.shape[-3:]
+    flat = x.reshape(-1, subs, n, d).transpose(0, 1).reshape(subs, -1, d).float()
+    books = codewords.float()
+    if d == 1:
+        levels, order = books[..., 0].sort(dim=1)
+        place = torch.searchsorted((levels[:, 1:] + levels[:, :-1]) / 2, flat[..., 0].contiguous())
+        idx = order.gather(1, place)
+    else:
+        norms = (books ** 2).sum(-1)[:, None, :]
+        idx = torch.cat([torch.baddbmm(norms, part, books.transpose(1, 2), alpha=-2).argmin(-1)
+                         for part in flat.split(chunk, dim=1)], dim=1)
+    return idx.reshape(subs, -1, n).transpose(0, 1).reshape(*lead, subs, n)
+
+
+def encode(z: torch.Tensor, book: VectorBook) -> VectorCodes:
+    """The codes of a latent ``z (b, n, r)`` (``r`` the spec's width)."""
+    spec = book.spec
+    if z.dim() != 3 or z.shape[-1] != spec.width:
+        raise ValueError(f"encode takes a (batch, tokens, {spec.width}) latent, not "
+                         f"{tuple(z.shape)}")
+    n = z.shape[1]
+    pad = -n % BLOCK
+    if pad:  # the last token repeated: a whole block, its bytes counted
+        z = torch.cat([z, z[:, -1:].expand(-1, pad, -1)], dim=1)
+    payload = []
+    for (first, subs, d, ib), (codewords, _) in zip(spec.layout(), book.tables):
+        idx = nearest(_sub_vectors(z, first, subs, d), codewords)
+        payload.append(pack_bits(idx, ib))
+    return VectorCodes(spec, tuple(payload), n)
+
+
+def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
+    """The latent ``(b, tokens, r)`` the codes stand for, in the reconstructions' dtype."""
+    parts = []
+    for (_, subs, d, ib), (_, values), packed in zip(codes.spec.layout(), book.tables,
+                                                    codes.payload):
+        idx = unpack_bits(packed, ib).long()[..., :codes.tokens]  # (b, S, n)
+        b, _, n = idx.shape
+        gathered = values[torch.arange(subs)[:, None], idx]  # (b, S, n, d)
+        parts.append(gathered.transpose(1, 2).reshape(b, n, subs * d))
+    return torch.cat(parts, dim=-1)
+
+
+# ---------------------------------------------------------------- fitting
+
+def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0) -> torch.Tensor:
+    """``count`` codewords for each of the ``S`` sample sets ``x (S, n, d)`` by Lloyd's
+    algorithm (``n >= count``), started at the samples' quantiles in one dimension and at
+    ``count`` distinct samples drawn with ``seed`` in more; a codeword no sample is nearest to
+    stays where it was. ``(S, count, d)``."""
+    subs, n, d = x.shape
+    if n < count:
+        raise ValueError(f"{count} codewords need at least as many samples, not {n}")
+    if d == 1:  # drawn samples may fall together where a channel is dense; quantiles spread
+        at = (torch.arange(count, dtype=x.dtype) + 0.5) / count
+        books = torch.quantile(x[..., 0], at, dim=1).T[..., None].contiguous()
+    else:
+        start = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]
+        books = x[:, start].clone()
+    for _ in range(iters):
+        idx = nearest(x, books)
+        sums = torch.zeros_like(books).scatter_add_(1, idx[..., None].expand(-1, -1, d), x)
+        counts = torch.zeros(subs, count, dtype=x.dtype).scatter_add_(
+            1, idx, torch.ones(subs, n, dtype=x.dtype))
+        books = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], books)
+    return books
+
+
+def fit(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = True,
+        iters: int = 15) -> VectorBook:
+    """A book for ``spec`` fitted on calibration latents ``samples (n, r)`` (float32):
+    k-means per sub-vector; with ``keep_variance`` the reconstructions scaled about each
+    channel's mean to its variance on ``samples``."""
+    x = samples.float()[None]
+    tables = []
+    for first, subs, d, ib in spec.layout():
+        sets = _sub_vectors(x, first, subs, d)[0].contiguous()  # (S, n, d)
+        codewords = kmeans(sets, 1 << ib, iters)
+        values = codewords
+        if keep_variance:
+            rec = codewords.gather(1, nearest(sets, codewords)[..., None].expand(-1, -1, d))
+            mean = sets.mean(1, keepdim=True)
+            spread = ((sets - mean) ** 2).sum(1, keepdim=True) / (
+                (rec - mean) ** 2).sum(1, keepdim=True).clamp_min(1e-30)
+            values = mean + (codewords - mean) * spread.sqrt()
+        tables.append((codewords, values))
+    return VectorBook(spec, tuple(tables))
+
+
+def select(books: dict[float, VectorBook], bits: list[float],
+           tuple_dims: int = 8) -> tuple[VectorBook, torch.Tensor]:
+    """The book of an allocation ``bits`` (one width per channel, 0: dropped) cut from
+    ``books``, one per width fitted on every channel (``VectorSpec(((r, width),))``), and the
+    indices of the channels it keeps: runs of equal widths in channel order."""
+    kept = [c for c, b in enumerate(bits) if b]
+    if not kept:
+        raise ValueError("an allocation that keeps no channel has no book")
+    runs: list[list] = []  # [first channel, channels, bits], over the kept channels in order
+    for c in kept:
+        if runs and runs[-1][2] == bits[c] and runs[-1][0] + runs[-1][1] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1, bits[c]])
+    spec = VectorSpec(tuple((n, b) for _, n, b in runs), tuple_dims)
+    tables = []
+    for first, channels, b in runs:
+        d = sub_dims(b, tuple_dims)
+        if first % d:
+            raise ValueError(f"a run at {b} bits starting at channel {first} does not start a "
+                             f"{d}-channel sub-vector")
+        codewords, values = books[b].tables[0]
+        cut = slice(first // d, (first + channels) // d)
+        tables.append((codewords[cut], values[cut]))
+    return VectorBook(spec, tuple(tables)), torch.tensor(kept)

@@ -1,0 +1,112 @@
+"""Product vector codes (lorc_fx.cache.vector_codes): layout, bit-exact round trip, bytes,
+nearest codewords, fitting and cutting an allocation's book from per-width books."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from lorc_fx.cache.vector_codes import (BLOCK, VECTOR_WIDTHS, VectorBook, VectorSpec, decode,
+                                        encode, fit, kmeans, nearest, select, sub_dims)
+
+WIDTHS = VECTOR_WIDTHS + (4, 5, 6)
+
+
+@st.composite
+def specs(draw):
+    tuple_dims = draw(st.sampled_from((2, 4, 8)))
+    runs = []
+    for _ in range(draw(st.integers(1, 3))):
+        bits = draw(st.sampled_from(WIDTHS))
+        runs.append((sub_dims(bits, tuple_dims) * draw(st.integers(1, 3)), bits))
+    return VectorSpec(tuple(runs), tuple_dims)
+
+
+def _book_of_distinct_codewords(spec: VectorSpec, gen: torch.Generator) -> VectorBook:
+    tables = []
+    for _, subs, d, ib in spec.layout():
+        codewords = torch.randn(subs, 1 << ib, d, generator=gen) * 3
+        tables.append((codewords, codewords))
+    return VectorBook(spec, tuple(tables))
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs(), st.integers(1, 3), st.integers(1, 21), st.integers(0, 2 ** 31 - 1))
+def test_codewords_round_trip_bit_exact_and_bytes_are_the_specs(spec, batch, tokens, seed):
+    """A latent made of codewords comes back exactly (every index width, partial blocks),
+    and the codes hold the spec's bytes: its bits per token once the tokens fill blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    book = _book_of_distinct_codewords(spec, gen)
+    parts = []
+    for (_, subs, d, ib), (codewords, _) in zip(spec.layout(), book.tables):
+        idx = torch.randint(0, 1 << ib, (batch, subs, tokens), generator=gen)
+        parts.append(codewords[torch.arange(subs)[:, None], idx].transpose(1, 2)
+                     .reshape(batch, tokens, subs * d))
+    z = torch.cat(parts, dim=-1)
+    codes = encode(z, book)
+    assert torch.equal(decode(codes, book), z)
+    assert all(p.dtype == torch.uint8 for p in codes.payload)
+    assert codes.nbytes == spec.nbytes(batch, tokens)
+    whole = -(-tokens // BLOCK) * BLOCK
+    assert codes.nbytes * 8 == batch * whole * spec.bits_per_token()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from((1, 2, 4, 8)), st.integers(2, 40), st.integers(0, 2 ** 31 - 1))
+def test_nearest_is_the_least_squared_distance(d, count, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codewords = torch.randn(3, count, d, generator=gen)
+    x = torch.randn(2, 3, 50, d, generator=gen)
+    dist = ((x[..., :, None, :] - codewords[:, None]) ** 2).sum(-1)  # (2, 3, 50, count)
+    idx = nearest(x, codewords)
+    picked = dist.gather(-1, idx[..., None])[..., 0]
+    assert torch.allclose(picked, dist.amin(-1), atol=1e-5)
+
+
+def test_kmeans_finds_well_separated_clusters():
+    gen = torch.Generator().manual_seed(0)
+    centres = torch.randn(2, 4, 2, generator=gen) * 10
+    x = centres.repeat_interleave(50, dim=1) + 0.01 * torch.randn(2, 200, 2, generator=gen)
+    books = kmeans(x, 4, iters=20)
+    err = ((x - books.gather(1, nearest(x, books)[..., None].expand(-1, -1, 2))) ** 2).mean()
+    assert err < 1e-3
+
+
+def test_fit_lowers_the_error_of_its_start_and_keeps_variance():
+    gen = torch.Generator().manual_seed(1)
+    samples = torch.randn(2000, 16, generator=gen) * torch.linspace(3, 0.1, 16)
+    spec = VectorSpec(((8, 1), (8, 2)))
+    z = samples[None]
+    plain = fit(samples, spec, keep_variance=False, iters=0)  # the drawn samples themselves
+    fitted = fit(samples, spec, keep_variance=False)
+    err = lambda book: float(((decode(encode(z, book), book) - z) ** 2).mean())
+    assert err(fitted) < err(plain)
+    book = fit(samples, spec, keep_variance=True)
+    kept = decode(encode(z, book), book)[0]
+    assert torch.allclose(kept.var(0), samples.var(0), rtol=1e-3)
+
+
+def test_select_cuts_an_allocation_from_per_width_books():
+    gen = torch.Generator().manual_seed(2)
+    samples = torch.randn(600, 32, generator=gen)
+    books = {b: fit(samples, VectorSpec(((32, b),)), iters=3) for b in (1, 2, 4)}
+    bits = [2] * 8 + [0] * 8 + [1] * 8 + [4] * 8
+    book, kept = select(books, bits)
+    assert kept.tolist() == list(range(8)) + list(range(16, 32))
+    assert book.spec.runs == ((8, 2), (8, 1), (8, 4))
+    z = samples[None, :40]
+    part = decode(encode(z[..., kept], book), book)
+    wholes = {b: decode(encode(z, books[b]), books[b]) for b in books}  # every channel at b
+    for i, c in enumerate(kept.tolist()):
+        assert torch.equal(part[..., i], wholes[bits[c]][..., c])
+
+
+@pytest.mark.parametrize("bits", (0.25, 3.5, 0, 9))
+def test_widths_outside_the_codes_refuse_naming_the_valid_ones(bits):
+    with pytest.raises(ValueError, match="bits per channel must be one of"):
+        sub_dims(bits)
+
+
+def test_a_run_must_be_whole_sub_vectors():
+    with pytest.raises(ValueError, match="not a whole number of 8-channel sub-vectors"):
+        VectorSpec(((12, 1),))
+    with pytest.raises(ValueError, match="does not start a 8-channel sub-vector"):
+        select({1: fit(torch.randn(300, 16), VectorSpec(((16, 1),)), iters=1)}, [0] * 4 + [1] * 8 + [0] * 4)
