@@ -41,10 +41,10 @@ Coders (``--coder``; how a kept channel's values are stored at its width):
 - ``uniform`` (the cache's codes): per channel over groups of ``--group`` tokens, 16-bit
   scale and zero point, ``ρ_c(b)`` measured;
 - ``codebook``: each channel at ``b`` bits as the nearest of its own ``2^b`` levels, fitted by
-  Lloyd's algorithm (one-dimensional k-means) on the calibration sample, widths 1-6, no
-  scales: the tables are per model, like weights, not per token (``--preserve-variance``
-  scales a channel's reconstructions about its mean back to its variance, which centroids
-  shrink);
+  Lloyd's algorithm (one-dimensional k-means from the quantiles, 30 iterations) on the
+  calibration sample, widths 1-6, no scales: the tables are per model, like weights, not per
+  token (``--preserve-variance`` scales a channel's reconstructions about its mean back to
+  its variance, which centroids shrink); the ``vector`` coder below in tuples of one channel;
 - ``vector``: product vector codes (``lorc_fx.cache.vector_codes``): channels allocated in
   tuples of ``--tuple-dims`` consecutive channels (8 or 16), one width a tuple; a tuple at
   ``b`` bits a channel is cut into sub-vectors of ``d`` channels (``sub_dims``: 16 at 0.5
@@ -116,28 +116,6 @@ class Codec:
         self.heads, self.style = heads, style
 
 
-def kmeans_levels(x, bits, iters=30):
-    """Per channel of ``x (n, r)``, ``2^bits`` levels by Lloyd's algorithm in one dimension
-    (started at the quantiles): ``(r, 2^bits)``, sorted."""
-    x = x.T.contiguous()  # (r, n)
-    count = 2 ** bits
-    levels = torch.quantile(x, (torch.arange(count, dtype=x.dtype) + 0.5) / count, dim=1).T.contiguous()
-    for _ in range(iters):
-        idx = torch.searchsorted((levels[:, 1:] + levels[:, :-1]) / 2, x)
-        sums = torch.zeros_like(levels).scatter_add_(1, idx, x)
-        counts = torch.zeros_like(levels).scatter_add_(1, idx, torch.ones_like(x))
-        levels = torch.where(counts > 0, sums / counts.clamp_min(1), levels).sort(1).values
-    return levels
-
-
-def nearest_level(z, levels, values=None):
-    """Each of ``z (..., r)``'s channels replaced by its nearest of ``levels (r, L)`` (or by
-    the entry of ``values (r, L)`` at that level's place)."""
-    flat = z.reshape(-1, z.shape[-1]).T.contiguous()
-    idx = torch.searchsorted((levels[:, 1:] + levels[:, :-1]) / 2, flat)
-    return (levels if values is None else values).gather(1, idx).T.reshape(z.shape)
-
-
 def _by_width(z, bits, code):
     """``z (b, 1, s, r)`` with the channels of each width ``b > 0`` replaced by
     ``code(their columns, b, their indices)``; 0 bits: dropped."""
@@ -157,23 +135,6 @@ class UniformCoder:
     def __call__(self, z, bits):
         return _by_width(z, bits, lambda part, b, idx: part if b >= 16 else fake_quantize(
             part, QuantSpec.per_channel(b, self.group, SCALE))[0])
-
-
-class CodebookCoder:
-    """``--coder codebook``: channel ``c`` at ``b`` bits as the nearest of its ``2^b`` levels
-    fitted on calibration text, no scales (the tables belong to the model, not the cache).
-    ``books[b] = (levels, reconstructions)``, each ``(r, 2^b)``."""
-
-    overhead_group = math.inf
-
-    def __init__(self, books):
-        self.books = books
-
-    def __call__(self, z, bits):
-        def code(part, b, idx):
-            levels, values = self.books[b]
-            return nearest_level(part.float(), levels[idx], values[idx]).to(part.dtype)
-        return _by_width(z, bits, code)
 
 
 class VectorCoder:
@@ -196,14 +157,34 @@ class VectorCoder:
         return out[:, None].to(z.dtype)
 
 
-def fit_vectors(stats, tuple_dims, keep_variance, widths):
+def fit_vectors(stats, tuple_dims, keep_variance, widths, iters):
     """Per side, a ``VectorCoder`` over ``widths`` fitted on the calibration samples."""
     coders = {}
     for key, s in tqdm(stats.items(), desc="vector codebooks"):
         x = torch.cat(s["samples"])
         coders[key] = VectorCoder({b: fit(x, VectorSpec(((x.shape[1], b),), tuple_dims),
-                                          keep_variance) for b in widths}, tuple_dims)
+                                          keep_variance, iters) for b in widths}, tuple_dims)
     return coders
+
+
+def vector_coders(stats, widths, tuple_dims, keep_variance, books, iters):
+    """Per side, a ``VectorCoder`` over ``widths``: read from the file ``books`` where it has
+    them cut as ``tuple_dims`` cuts them, the rest fitted (and the file rewritten)."""
+    coders = {}
+    if books and Path(books).exists():
+        coders = torch.load(books, weights_only=False)
+        print(f"vector codebooks read from {books}", flush=True)
+    missing = [b for b in widths if not coders or any(
+        b not in c.books or c.books[b].spec.layout()[0][2] != sub_dims(b, tuple_dims)
+        for c in coders.values())]
+    if missing:
+        fitted = fit_vectors(stats, tuple_dims, keep_variance, missing, iters)
+        coders = {key: VectorCoder({**(coders[key].books if coders else {}),
+                                    **fitted[key].books}, tuple_dims) for key in fitted}
+        if books:
+            torch.save(coders, books)
+            print(f"vector codebooks written to {books}", flush=True)
+    return {key: VectorCoder(c.books, tuple_dims) for key, c in coders.items()}
 
 
 def vector_errors(stats, coders):
@@ -325,28 +306,6 @@ def uniform_errors(stats):
             for key, s in stats.items()}
 
 
-def fit_codebooks(stats, preserve_variance):
-    """Per side, a ``CodebookCoder`` over ``CODEBOOK_WIDTHS`` fitted on the calibration
-    samples, and its relative errors there. ``preserve_variance``: the reconstructions
-    scaled about the channel's mean to its variance (centroids shrink a channel)."""
-    coders, rho = {}, {}
-    for key, s in stats.items():
-        x = torch.cat(s["samples"])
-        books, rho[key] = {}, {}
-        for b in CODEBOOK_WIDTHS:
-            levels = kmeans_levels(x, b)
-            values = levels
-            if preserve_variance:
-                mean = x.mean(0)
-                spread = ((x - mean) ** 2).sum(0) / ((nearest_level(x, levels) - mean) ** 2).sum(0)
-                values = mean[:, None] + (levels - mean[:, None]) * spread.clamp_min(1e-30).sqrt()[:, None]
-            books[b] = (levels, values)
-            err = nearest_level(x, levels, values) - x
-            rho[key][b] = ((err.double() ** 2).sum(0) / s["power"].clamp_min(1e-30)).tolist()
-        coders[key] = CodebookCoder(books)
-    return coders, rho
-
-
 def gaussian_bounds(stats):
     """Per side, a ``GaussianBound`` and its relative errors ``(σ² / power) · 2^(-2b)``."""
     generator = torch.Generator().manual_seed(0)
@@ -414,10 +373,10 @@ def main():
                     default="uniform", help="how kept channels are stored (module docstring)")
     ap.add_argument("--tuple-dims", type=int, default=8,
                     help="vector: consecutive channels allocated one width together")
-    ap.add_argument("--books", help="vector: a file of fitted codebooks to read, or to write "
-                                     "once fitted (the fit takes ~18 min on 2 threads)")
+    ap.add_argument("--books", help="codebook, vector: a file of fitted codebooks to read, or "
+                                     "to write once fitted (vector: ~19 min on 2 threads)")
     ap.add_argument("--rho-on", choices=("self_held",),
-                    help="vector: the allocation's errors measured on this sample instead of "
+                    help="codebook, vector: the allocation's errors measured on this sample instead of "
                          "the calibration sample the codebooks were fitted on")
     ap.add_argument("--choose-share", action="store_true",
                     help="evaluate every key share on the first set, the others at its best")
@@ -433,6 +392,9 @@ def main():
     if args.coder != "uniform" and (args.widths or args.values == "kivi"):
         ap.error(f"--coder {args.coder} picks its own widths and codes both sides: "
                  "drop --widths and --values kivi")
+    if args.half_widths and args.coder != "vector":
+        ap.error("--half-widths goes with --coder vector")
+    tuple_dims = 1 if args.coder == "codebook" else args.tuple_dims
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     model = lorc_fx.load_model("default")
     tok = lorc_fx.load_tokenizer("default")
@@ -454,37 +416,17 @@ def main():
         uniform = UniformCoder(args.group)
         side_coders, rho = {key: uniform for key in stats}, uniform_errors(stats)
         allowed = [tuple(int(b) for b in w.split(".")) for w in args.widths or ["4"]]
-    else:
-        allowed = [BOUND_WIDTHS if args.coder == "gaussian-bound" else CODEBOOK_WIDTHS]
-        if args.coder == "vector" and args.half_widths:
-            allowed = [tuple(sorted(CODEBOOK_WIDTHS + HALF_WIDTHS))]
-        if args.coder != "vector":
-            side_coders, rho = (fit_codebooks(stats, args.preserve_variance)
-                                if args.coder == "codebook" else gaussian_bounds(stats))
-        else:
-            side_coders = {}
-            if args.books and Path(args.books).exists():
-                side_coders = torch.load(args.books, weights_only=False)
-                print(f"vector codebooks read from {args.books}", flush=True)
-            # what the file lacks, or holds cut otherwise than --tuple-dims cuts it: fitted
-            missing = [b for b in allowed[0] if not side_coders or any(
-                b not in c.books or c.books[b].spec.layout()[0][2] != sub_dims(b, args.tuple_dims)
-                for c in side_coders.values())]
-            if missing:
-                fitted = fit_vectors(stats, args.tuple_dims, args.preserve_variance, missing)
-                side_coders = {key: VectorCoder({**(side_coders[key].books if side_coders else {}),
-                                                 **fitted[key].books}, args.tuple_dims)
-                               for key in fitted}
-                if args.books:
-                    torch.save(side_coders, args.books)
-                    print(f"vector codebooks written to {args.books}", flush=True)
-            side_coders = {key: VectorCoder(c.books, args.tuple_dims)
-                           for key, c in side_coders.items()}
-        if args.coder == "vector":
-            if args.rho_on:  # the errors the allocation weighs, out of the fit's sample
-                stats = {}
-                score(model, selfs[args.rho_on], codecs, sink=args.sink, stats=stats)
-            rho = vector_errors(stats, side_coders)
+    elif args.coder == "gaussian-bound":
+        allowed = [BOUND_WIDTHS]
+        side_coders, rho = gaussian_bounds(stats)
+    else:  # codebook: the vector coder in tuples of one channel
+        allowed = [tuple(sorted(CODEBOOK_WIDTHS + (HALF_WIDTHS if args.half_widths else ())))]
+        side_coders = vector_coders(stats, allowed[0], tuple_dims, args.preserve_variance,
+                                    args.books, iters=30 if args.coder == "codebook" else 15)
+        if args.rho_on:  # the errors the allocation weighs, out of the fit's sample
+            stats = {}
+            score(model, selfs[args.rho_on], codecs, sink=args.sink, stats=stats)
+        rho = vector_errors(stats, side_coders)
     coders = [(side_coders[(l, "k")], side_coders[(l, "v")]) for l in range(len(codecs))]
     overhead_group = coders[0][0].overhead_group
     sets = {n: selfs[n] if n.startswith("self") else
@@ -510,7 +452,7 @@ def main():
         widths = ".".join(map(str, wtuple))
         bits, measured = plan_bits(ks, vs, rho, target, share, wtuple, overhead_group,
                                    values_per_token, args.values == "kivi", args.sink,
-                                   args.tuple_dims if args.coder == "vector" else 1)
+                                   tuple_dims if args.coder in ("codebook", "vector") else 1)
         hist = {b: sum(x.count(b) for kv in bits for x in kv if x is not None)
                 for b in (0, *wtuple)}
         out = {}
