@@ -21,9 +21,13 @@ def specs(draw):
 
 
 def _book_of_distinct_codewords(spec: VectorSpec, gen: torch.Generator) -> VectorBook:
+    """Random codewords at least 0.5 apart (their first channels a shuffled grid of step
+    0.5), so float rounding in the distances can never make another one the nearest."""
     tables = []
     for _, subs, d, ib in spec.layout():
         codewords = torch.randn(subs, 1 << ib, d, generator=gen) * 3
+        codewords[..., 0] = torch.stack([torch.randperm(1 << ib, generator=gen)
+                                         for _ in range(subs)]) * 0.5
         tables.append((codewords, codewords))
     return VectorBook(spec, tuple(tables))
 
@@ -58,7 +62,8 @@ def test_nearest_is_the_least_squared_distance(d, count, seed):
     dist = ((x[..., :, None, :] - codewords[:, None]) ** 2).sum(-1)  # (2, 3, 50, count)
     idx = nearest(x, codewords)
     picked = dist.gather(-1, idx[..., None])[..., 0]
-    assert torch.allclose(picked, dist.amin(-1), atol=1e-5)
+    # float32 rounding of ||c||² - 2x·c is ~1e-5 at these sizes: a wrong pick is farther
+    assert torch.allclose(picked, dist.amin(-1), atol=1e-4)
 
 
 def test_kmeans_finds_well_separated_clusters():
