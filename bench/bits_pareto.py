@@ -123,7 +123,7 @@ def main() -> None:
                         "default results apart, e.g. a longer evaluation)")
     args = parser.parse_args()
     STEM = args.stem
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     path = RESULTS / f"{STEM}.json"
     doc = json.loads(path.read_text()) if path.exists() and not args.fresh else None
     if args.report_only:
@@ -142,7 +142,8 @@ def main() -> None:
                  "uncompressed 16-bit cache. LoRC rows: `compress(model, bits_per_value=B)` at "
                  "default options (the planner measures plain 8/4-bit quantization in KIVI's "
                  "layout first, then keys water-filled over 8/4/3-bit latent rows beside plain "
-                 "4-bit values, then latents at 16/8/4 bits per channel over groups of 32 or 64 "
+                 "4-bit values, then (where no plain quantization fits) product vector codes of "
+                 "full-rank latents, then latents at 16/8/4 bits per channel over groups of 32 or 64 "
                  "tokens at the rank filling the budget, and keeps the least held-out "
                  "calibration loss; a plain candidate within 0.002 nats of the full model ends "
                  "the search). KIVI rows: "
@@ -193,6 +194,14 @@ def main() -> None:
             choice = (f"keys water-filled ({keys}-bit rows of "
                       f"{sum(l.k_full for l in plan.layers)}, G{plan.layers[0].k_group}), "
                       f"int{o.latent_bits} values{group}, {o.rope}")
+        elif plan.kind == "vector":
+            widths: dict[float, int] = {}
+            for l in plan.layers:
+                for book in (l.k_book, l.v_book):
+                    for count, bits in (book.spec.runs if book is not None else ()):
+                        widths[bits] = widths.get(bits, 0) + count
+            choice = (f"vector codes ({' / '.join(f'{widths[b]}×{b:g}' for b in sorted(widths, reverse=True))}"
+                      f"-bit channels of {full}), {o.rope}")
         else:
             choice = (f"low rank ({kept / full:.2f} of the width), {o.latent_bits}-bit latents"
                       f"{group}, {o.rope}")

@@ -37,6 +37,7 @@ from lorc_fx.report import CompressionReport
 from lorc_fx.search.bits import (NEGLIGIBLE_LOSS, Candidate, best_candidate, candidates,
                                  over_budget)
 from lorc_fx.search.key_bits import keys_waterfilled_candidate
+from lorc_fx.search.vector_bits import vector_candidate
 from lorc_fx.search.fraction import bisection_steps, check_target, smallest_fraction
 from lorc_fx.search.split import (calibration_loss, held_out_calibration, held_out_loss,
                                   held_out_windows, measured_split)
@@ -387,6 +388,17 @@ def _best_plan(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
             prepared[candidate.rope] = _plan_inputs(model, blocks,
                                                     replace(options, rope=candidate.rope))
         resolved, inputs, note = prepared[candidate.rope]
+        if candidate.vector:
+            if options.shards > 1:
+                raise UnreachableFraction(f"{candidate.name}: not planned over shards", math.inf)
+            cheapest = plain_quantized_plan(_layer_inputs(model, blocks, options.shards),
+                                            replace(options, latent_bits=min(widths),
+                                                    latent_group=max(groups)))
+            if not over_budget(cheapest):
+                raise UnreachableFraction(f"{candidate.name}: planned only where plain "
+                                          "quantization does not fit the budget", math.inf)
+            coded, loss = vector_candidate(model, blocks, resolved, inputs, note)
+            return coded, loss if measure else None
         if candidate.keys_waterfilled:
             if options.shards > 1:
                 raise UnreachableFraction(f"{candidate.name}: not planned over shards", math.inf)

@@ -30,6 +30,7 @@ def plan_table(plan: Plan) -> str:
     how = ("plain KV quantization, no basis" if plan.kind == "plain"
            else f"keys water-filled over code widths; basis={o.basis}, rope={o.rope}"
            if plan.kind == "keys_waterfilled"
+           else f"vector codes; basis={o.basis}, rope={o.rope}" if plan.kind == "vector"
            else f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, "
                 f"rope={o.rope}")
     lines.append(
@@ -53,6 +54,8 @@ def plan_table(plan: Plan) -> str:
             "keys after RoPE instead")
     if plan.kind == "keys_waterfilled":
         lines.append(_waterfilled_description(plan))
+    elif plan.kind == "vector":
+        lines.append(_vector_description(plan))
     elif plan.kind != "plain" and o.latent_bits != 16:
         lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
                      f"{o.latent_group} tokens (the last partial group in full precision)")
@@ -76,6 +79,27 @@ def _waterfilled_description(plan: Plan) -> str:
             f"{widths}), per channel over groups of {'/'.join(map(str, groups))} tokens; values "
             f"stored as {o.latent_bits}-bit codes per token over groups of channels within each "
             "head, as plain KV quantization (the last partial group of tokens in full precision)")
+
+
+def _vector_description(plan: Plan) -> str:
+    """The code widths and tables of a vector plan, in words."""
+    channels: dict[float, int] = {}
+    table_bytes = 0
+    for l in plan.layers:
+        for book in (l.k_book, l.v_book):
+            if book is not None:
+                table_bytes += book.nbytes
+                for count, bits in book.spec.runs:
+                    channels[bits] = channels.get(bits, 0) + count
+    full = sum(l.k_full + l.v_full for l in plan.layers if not l.skipped)
+    widths = ", ".join(f"{channels[b]} at {b:g}" for b in sorted(channels, reverse=True))
+    return (f"vector codes: each latent channel at the bits a token its energy and measured coding "
+            f"error buy, or dropped ({sum(channels.values())} of {full} channels kept: {widths} "
+            "bits), in tuples of channels coded as indices into codebooks fitted on calibration "
+            f"latents (no scales); the codebooks take {table_bytes / 2**20:.1f} MiB, the "
+            "model's like its weights, not counted in bits per value; each sequence's first "
+            "token is kept in full precision (the attention sink), counted as if sequences "
+            "were 512 tokens; the last partial block of 8 tokens is kept in full precision")
 
 
 def _rank_table(plan: Plan) -> list[str]:

@@ -13,6 +13,7 @@ import logging
 import types
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers.cache_utils import DynamicCache, StaticCache
@@ -67,7 +68,10 @@ def _prepare_latent_cache(self, generation_config, model_kwargs, *args, **kwargs
     cache = model_kwargs.get("past_key_values")
     if cache is not None and not getattr(cache, "_is_user_defined", False) \
             and type(cache) in (DynamicCache, StaticCache):
-        model_kwargs["past_key_values"] = LatentCache.from_cache(cache, self._lorc_plan)
+        model_kwargs["past_key_values"] = cache = LatentCache.from_cache(cache, self._lorc_plan)
+        mask = model_kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            cache.place_sinks((mask.cumsum(-1) == 0).sum(-1))  # after each row's left padding
 
 
 def _save_pretrained_plain(self, *args, **kwargs):
@@ -90,6 +94,13 @@ def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
     plan (``_lorc_whole_plan``) to save."""
     model._lorc_whole_plan = plan
     model._lorc_plan = plan = process_plan(plan, blocks)
+    if plan.kind == "vector":
+        log.warning(
+            "this plan stores latents as vector codes: generate builds a dynamic cache (a "
+            "static one is refused) that decodes them eagerly, and torch.compile gives the same "
+            "tokens without speeding that up (dynamo breaks the graph at the codes and "
+            "recompiles as the window of uncoded tokens changes); the plan cannot be saved to "
+            "a plan file yet")
     for handle in getattr(model, "_lorc_hooks", []):
         handle.remove()
     model._lorc_hooks = _angle_hooks(model, blocks, plan)

@@ -16,9 +16,13 @@ from .quantize import ChannelSplit, QuantSpec
 from .quantized_layers import QuantizedLatentDynamicLayer
 from .quantized_static import QuantizedLatentStaticLayer
 from .rotary import RotaryLog
+from .vector_codes import VectorBook
+from .vector_layers import VectorCodedLatentLayer
 
 # (keys, values); None: not quantized; keys of a keys_waterfilled plan: a split of widths
 SideSpecs = tuple[QuantSpec | ChannelSplit | None, QuantSpec | None]
+# (keys, values) of a vector plan's layer; None: that side not coded
+SideBooks = tuple[VectorBook | None, VectorBook | None]
 
 
 def codecs(plan: Plan) -> dict[int, LatentCodec]:
@@ -57,6 +61,14 @@ def side_specs(plan: Plan) -> dict[int, SideSpecs]:
     return out
 
 
+def side_books(plan: Plan) -> dict[int, SideBooks]:
+    """The books of each layer a vector plan codes (empty for other plans)."""
+    if plan.kind != "vector":
+        return {}
+    return {l.layer: (l.k_book, l.v_book) for l in plan.layers
+            if not l.skipped and (l.k_book is not None or l.v_book is not None)}
+
+
 def layers_kept_as_built(config) -> dict[int, str]:
     """The cache layers a :class:`LatentCache` leaves as transformers builds them for this
     model config (sliding-window, chunked, linear attention, ...): index → layer type. Only
@@ -78,17 +90,24 @@ class LatentCache(Cache):
     @classmethod
     def from_cache(cls, cache: Cache, plan: Plan) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``plan`` compresses
-        (sides quantized as ``plan.options.latent_bits`` / ``latent_group`` say)."""
-        return cls.from_codecs(cache, codecs(plan), side_specs(plan))
+        (sides quantized as ``plan.options.latent_bits`` / ``latent_group`` say, or coded by
+        a vector plan's books)."""
+        return cls.from_codecs(cache, codecs(plan), side_specs(plan), side_books(plan))
 
     @classmethod
     def from_codecs(cls, cache: Cache, bases: dict[int, LatentCodec],
-                    quant: dict[int, SideSpecs] | None = None) -> "LatentCache":
+                    quant: dict[int, SideSpecs] | None = None,
+                    books: dict[int, SideBooks] | None = None) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers;
         a layer with ``quant`` specs stores those sides quantized
-        (:class:`QuantizedLatentDynamicLayer`, :class:`QuantizedLatentStaticLayer`)."""
+        (:class:`QuantizedLatentDynamicLayer`, :class:`QuantizedLatentStaticLayer`), one with
+        ``books`` codes them (:class:`VectorCodedLatentLayer`; dynamic caches only)."""
         static = [l for l in cache.layers if type(l) is StaticLayer]
-        quant = quant or {}
+        quant, books = quant or {}, books or {}
+        if static and books:
+            raise ValueError("vector-coded latents (a plan of kind 'vector') need a dynamic "
+                             "cache: a static cache (cache_implementation='static') is not "
+                             "supported for them")
         styles = {b.rope_style for b in bases.values() if b.rope_style}
         rotary = None
         if styles:
@@ -105,6 +124,8 @@ class LatentCache(Cache):
                     layer = QuantizedLatentStaticLayer(layer.max_cache_len, b, *quant[i], owns)
                 elif type(layer) is StaticLayer:
                     layer = LatentStaticLayer(layer.max_cache_len, b, owns)
+                elif i in books:
+                    layer = VectorCodedLatentLayer(b, *books[i], owns)
                 elif i in quant:
                     layer = QuantizedLatentDynamicLayer(b, *quant[i], owns)
                 else:
@@ -112,12 +133,21 @@ class LatentCache(Cache):
             layers.append(layer)
         return cls(layers, rotary)
 
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Where each row's first token sits (``(b,)``, after its left padding): what the
+        vector-coded layers keep in full precision (``VectorCodedLatentLayer.place_sinks``);
+        other layers keep every token as it is."""
+        for layer in self.layers:
+            if isinstance(layer, VectorCodedLatentLayer):
+                layer.place_sinks(positions)
+
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds: keys, values, RoPE angles; quantized latents' codes,
         scales, zero points and full-precision windows (a static layer's whole allocation)."""
         tensors = [t for layer in self.layers
                    for t in (layer.tensors() if isinstance(layer, (QuantizedLatentDynamicLayer,
-                                                                   QuantizedLatentStaticLayer))
+                                                                   QuantizedLatentStaticLayer,
+                                                                   VectorCodedLatentLayer))
                              else (getattr(layer, "keys", None), getattr(layer, "values", None)))]
         tensors += self.rotary.tensors() if self.rotary is not None else []
         return [t for t in tensors if isinstance(t, torch.Tensor)]

@@ -117,6 +117,34 @@ class _RotaryLogOwner:
             self._log().reset()
 
 
+class StoresBesideWindow:
+    """Policy of a layer that holds per-row tensors besides ``keys`` / ``values`` (codes,
+    scales, sinks): every batch operation ``generate`` applies (reordering beams, repeating or
+    selecting rows) is applied to them too, through ``_map_stores(fn)``, ``fn`` an operation
+    on the batch axis 0. Offloading them is not supported."""
+
+    def _map_stores(self, fn) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_stores(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_stores(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_stores(lambda t: t[indices, ...])
+
+    def offload(self):
+        raise NotImplementedError(f"offloading a {type(self).__name__} is not supported")
+
+    def prefetch(self):
+        raise NotImplementedError(f"offloading a {type(self).__name__} is not supported")
+
+
 class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
     """A growing cache of latents (``(b, 1, n, r)``; the head axis keeps the seq axis at -2,
     so masks, ``get_seq_length``, cropping and beam reordering work as for full keys)."""

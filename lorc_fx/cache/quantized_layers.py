@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .latent_ops import dequantized
-from .layers import LatentCodec, LatentDynamicLayer
+from .layers import LatentCodec, LatentDynamicLayer, StoresBesideWindow
 from .quantize import (ChannelSplit, QuantizedTensor, QuantSpec, SplitTensor, map_batch,
                        quantize, splice_tokens, token_count, token_slots)
 
@@ -42,7 +42,7 @@ SPARE_GROUPS = 2  # groups of code slots a quantized side keeps past its tokens
 SPARE_ROWS = 2  # rows its window keeps past its tokens
 
 
-class QuantizedLatentDynamicLayer(LatentDynamicLayer):
+class QuantizedLatentDynamicLayer(StoresBesideWindow, LatentDynamicLayer):
     """A growing cache whose sides are stored as ``spec.bits``-bit codes where their spec
     (``k_spec`` / ``v_spec``) says, beside a full-precision residual window.
 
@@ -174,30 +174,12 @@ class QuantizedLatentDynamicLayer(LatentDynamicLayer):
         if self._log() is not None:
             self._log().crop(tokens_to_remove)
 
-    def _map_quantized(self, fn) -> None:
+    def _map_stores(self, fn) -> None:
         self.k_store, self.v_store = map_batch(self.k_store, fn), map_batch(self.v_store, fn)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_quantized(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_quantized(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_quantized(lambda t: t[indices, ...])
 
     def reset(self) -> None:
         super().reset()
         self.k_store = self.v_store = None
-
-    def offload(self):
-        raise NotImplementedError("offloading a quantized latent layer is not supported")
-
-    def prefetch(self):
-        raise NotImplementedError("offloading a quantized latent layer is not supported")
 
 
 def _with_spare_rows(tokens: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,11 @@ class VectorBook:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tables (the model's, like its weights; not the cache's)."""
         return sum(c.nbytes + v.nbytes for c, v in self.tables)
+
+    def to(self, device: torch.device | str) -> "VectorBook":
+        return VectorBook(self.spec, tuple((c.to(device), v.to(device)) for c, v in self.tables))
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,7 @@ def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
                                                     codes.payload):
         idx = unpack_bits(packed, ib).long()[..., :codes.tokens]  # (b, S, n)
         b, _, n = idx.shape
-        gathered = values[torch.arange(subs)[:, None], idx]  # (b, S, n, d)
+        gathered = values[torch.arange(subs, device=idx.device)[:, None], idx]  # (b, S, n, d)
         parts.append(gathered.transpose(1, 2).reshape(b, n, subs * d))
     return torch.cat(parts, dim=-1)
 

@@ -223,7 +223,7 @@ def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
         windows = calibration_windows(tokenizer or calibration_tokenizer(model, options), options,
                                       model)
         data = collect(model, blocks, windows)
-        _save_atomic(data, path)
+        save_atomic(data, path)
     out = {}
     for b in blocks:
         if b.supported:
@@ -233,7 +233,7 @@ def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
     return out
 
 
-def _save_atomic(obj, path: Path) -> None:
+def save_atomic(obj, path: Path) -> None:
     """Write to a temporary file and rename, so an interrupted run leaves no partial cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=".tmp", dir=path.parent)
@@ -338,7 +338,7 @@ def sample_self_text(model: nn.Module, tokenizer,
                     for (path, _), row in zip(batch, rows):
                         stored[path] = torch.cat([stored[path], row[None]])
         for path in todo:
-            _save_atomic(stored[path], path)
+            save_atomic(stored[path], path)
     return [stored[path][:count] for (count, _, _), path in zip(requests, paths)]
 
 

@@ -102,7 +102,8 @@ def plan_path(path: str | os.PathLike) -> Path:
 
 
 def _layer_json(layer: LayerPlan) -> dict:
-    out = {f.name: getattr(layer, f.name) for f in fields(LayerPlan) if f.name not in _TENSORS}
+    out = {f.name: getattr(layer, f.name) for f in fields(LayerPlan)
+           if f.name not in (*_TENSORS, "k_book", "v_book")}  # books: vector plans, not saved
     out["rope"] = asdict(layer.rope)
     out["k_oblique"] = not torch.equal(layer.k_rebuild, layer.k_basis)
     out["v_oblique"] = not torch.equal(layer.v_rebuild, layer.v_basis)
@@ -130,6 +131,10 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
         raise ValueError("this plan records no model fingerprint, so a file of it could not "
                          "be checked against a model; save the plan of lorc_fx.plan(model) or "
                          "of a model lorc_fx.compress compressed")
+    if plan.kind == "vector":
+        raise ValueError("saving a vector-coded plan is not supported yet (its codebooks are "
+                         "not part of the plan file format); compress(model, bits_per_value=...) "
+                         "plans it again, its codebooks read from the calibration cache")
     path = plan_path(path)
     tensors = {}
     for layer in plan.layers:

@@ -18,6 +18,11 @@ from lorc_fx.analysis.sharding import full_tensor, model_split
 from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
 from .metrics import relative
 from .options import SCALE_BITS, STORED_FLOAT_BITS, PlanOptions
+
+# a vector plan's budget pays for each sequence's first token in full precision (the sink,
+# ``cache.vector_layers``) as if sequences were this long: at 512 tokens or more the cache
+# holds at most the plan's bits per value
+SINK_SEQUENCE = 512
 from .schedules import SCHEDULES, ScheduleInput, UnreachableFraction
 from .spectra import (Spectrum, block_diagonal, condition_number, real_spectrum,
                       rope_commuting_spectrum)
@@ -149,6 +154,11 @@ class LayerPlan:
     # (rows, bits) in basis order, quantized per channel over groups of k_group tokens
     k_bit_runs: tuple[tuple[int, int], ...] = ()
     k_group: int = 0
+    # a plan of kind "vector": each side's latent (its basis rows in channel order) coded by
+    # a ``cache.vector_codes.VectorBook`` (the cache stage's type: plans sit below it);
+    # None: that side not coded
+    k_book: object | None = field(default=None, repr=False)
+    v_book: object | None = field(default=None, repr=False)
 
     @property
     def compressed(self) -> bool:
@@ -159,6 +169,9 @@ class LayerPlan:
                 "kappa_v", "log_kappa_cum", "k_latent_of", "k_energy_kept", "v_energy_kept",
                 "note", "k_bit_runs", "k_group")
         out = {k: getattr(self, k) for k in keys}
+        for side, book in (("k", self.k_book), ("v", self.v_book)):
+            if book is not None:
+                out[f"{side}_vector_runs"] = book.spec.runs
         out["rope"] = asdict(self.rope)
         return out
 
@@ -185,6 +198,8 @@ class Plan:
     # with a code width per row (``LayerPlan.k_bit_runs``), values the plain plan's
     # (``plan.bit_allocation``)
     kind: str = "low_rank"
+    # "vector": latents at full rank coded as product vector codes (``LayerPlan.k_book`` /
+    # ``v_book``, ``plan.vector_allocation``), the first token of each sequence kept as it came
     # the candidates the bit-width search measured (``lorc_fx.search.bits``), best first
     candidates: list[dict] = field(default_factory=list)
     # the shard of ``options.shards`` this plan is (``local``): its layers cover that shard's
@@ -198,6 +213,9 @@ class Plan:
         count = self.options.shards
         if count == 1:
             return self
+        if self.kind == "vector":
+            raise ValueError("a vector-coded plan cannot be split over shards: its books code "
+                             "whole latents; plan with shards=1")
         if self.shard is not None or not 0 <= index < count:
             raise ValueError(f"shard index must be in [0, {count}) of a whole-model plan, "
                              f"got {index}")
@@ -232,7 +250,7 @@ class Plan:
         keys_waterfilled plan's keys per channel over ``k_group`` tokens, values as a plain
         plan's."""
         o = self.options
-        if o.latent_bits == 16 or layer.skipped:
+        if o.latent_bits == 16 or layer.skipped or self.kind == "vector":
             return (None, -2), (None, -2)
         if self.kind == "plain":
             return (o.latent_group, -2), (value_token_group(layer.head_dim, o.latent_group), -1)
@@ -247,6 +265,9 @@ class Plan:
         """``(elements, bits, group)`` per token of each run of ``layer``'s codes
         (``side_groups``): one per quantized side at ``options.latent_bits``, the key runs
         of a keys_waterfilled plan at their own widths."""
+        if self.kind == "vector":  # no scales: a group of infinitely many tokens
+            return [(rows, b, math.inf) for book in (layer.k_book, layer.v_book)
+                    if book is not None for rows, b in book.spec.runs]
         (k_group, _), (v_group, _) = self.side_groups(layer)
         bits = self.options.latent_bits
         out = []
@@ -273,14 +294,18 @@ class Plan:
     def bits_per_token(self, float_bits: int) -> float:
         """Bits the cache holds per token per sequence where a stored float has
         ``float_bits`` bits: codes with their 16-bit scales and zero points (one of each per
-        group, ``side_groups``), unquantized latents, raw sides and the RoPE angle log. Exact for a
-        sequence of whole groups of ``latent_group`` tokens (the last, partial group sits in
-        the full-precision window)."""
+        group, ``side_groups``), unquantized latents, raw sides and the RoPE angle log; a
+        vector plan's codes (no scales) and its sinks at ``SINK_SEQUENCE`` tokens a sequence.
+        Exact for a sequence of whole groups of ``latent_group`` tokens (the last, partial
+        group sits in the full-precision window; a vector plan's, of 8 tokens)."""
         _, kept = self.cache_elements_per_token()
         bits = kept * float_bits
         for l in self.layers:
             for rows, code_bits, group in self.code_runs(l):
                 bits += rows * (code_bits + 2 * SCALE_BITS / group - float_bits)
+        if self.kind == "vector":  # the sinks, per sequence of SINK_SEQUENCE tokens
+            bits += sum(rows for l in self.layers for rows, _, _ in self.code_runs(l)) \
+                * float_bits / SINK_SEQUENCE
         return bits
 
     def cache_bytes_per_token(self, dtype_bytes: int) -> tuple[int, float]:
@@ -413,6 +438,11 @@ def key_energies(layers: list[LayerInput], options: PlanOptions) -> list[torch.T
     """Each layer's key spectrum energies under ``options``' RoPE mode: the error of dropping
     each row of the basis ``plan_layers`` gives it, in one unit across layers."""
     return [_key_spectrum(l, options.rope).energy for l in layers]
+
+
+def value_energies(layers: list[LayerInput]) -> list[torch.Tensor]:
+    """Each layer's value spectrum energies: the error of dropping each row of its basis."""
+    return [_value_spectrum(l).energy for l in layers]
 
 
 def cumulative_log_kappa(kappa_k: list[float], kappa_v: list[float]) -> list[float]:

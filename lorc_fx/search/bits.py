@@ -27,6 +27,7 @@ from typing import Callable
 from lorc_fx.plan.bit_allocation import KEY_GROUP, KEY_WIDTHS
 from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.schedules import UnreachableFraction
+from lorc_fx.search.vector_bits import TUPLE_DIMS, WIDTHS
 
 # nats per token: a held-out loss this close to the uncompressed model's is ×1.002 perplexity
 # at most, below the spread between evaluation texts (bench/results/bits_pareto-cpu.md)
@@ -54,11 +55,17 @@ class Candidate:
     # keys water-filled over code widths (``plan.bit_allocation``), values as plain
     # quantization's at latent_bits / latent_group
     keys_waterfilled: bool = False
+    # latents at full rank as product vector codes (``search.vector_bits``), below the budget
+    # of the cheapest plain quantization only
+    vector: bool = False
 
     @property
     def name(self) -> str:
         if self.plain:
             return f"plain KV quantization, {self.latent_bits}-bit, G{self.latent_group}"
+        if self.vector:
+            return (f"vector codes (tuples of {TUPLE_DIMS} latent channels at "
+                    f"{min(WIDTHS):g}-{max(WIDTHS):g} bits), rope=reconstruct")
         if self.keys_waterfilled:
             widths = "/".join(str(b) for b in KEY_WIDTHS)
             return (f"keys water-filled over {widths}-bit rows (G{KEY_GROUP}), values "
@@ -72,7 +79,9 @@ def candidates(modes: list[str], bit_choices: tuple[int, ...], groups: tuple[int
                plain: bool) -> list[Candidate]:
     """(``plain``) plain quantization at each width below 16, widest first, and each group
     (largest first: fewest bytes), then (``plain``, 4-bit values and the ``reconstruct`` mode
-    among ``modes``) keys water-filled beside 4-bit values in the largest group; then every
+    among ``modes``) keys water-filled beside 4-bit values in the largest group, and (``plain``
+    and the ``reconstruct`` mode) vector codes, planned only where no plain candidate fits
+    the budget (the caller refuses it elsewhere: its first fit takes minutes); then every
     RoPE mode at every bit width (below 16 bits with every group size, the first group
     first)."""
     out = []
@@ -82,6 +91,8 @@ def candidates(modes: list[str], bit_choices: tuple[int, ...], groups: tuple[int
                 for group in sorted(groups, reverse=True)]
         if 4 in bit_choices and "reconstruct" in modes:
             out.append(Candidate("reconstruct", 4, max(groups), keys_waterfilled=True))
+        if "reconstruct" in modes:
+            out.append(Candidate("reconstruct", 16, groups[0], vector=True))
     return out + [Candidate(mode, bits, group) for mode in modes for bits in bit_choices
                   for group in (groups if bits != 16 else groups[:1])]
 
@@ -126,7 +137,8 @@ def best_candidate(build: Callable[[Candidate], tuple[Plan, float | None]],
     if len(listed) > 1:
         best.candidates = [{"candidate": c.name, "rope": c.rope, "latent_bits": c.latent_bits,
                             "latent_group": c.latent_group, "plain": c.plain,
-                            "keys_waterfilled": c.keys_waterfilled, "loss": None if math.isinf(loss) else loss,
+                            "keys_waterfilled": c.keys_waterfilled, "vector": c.vector,
+                            "loss": None if math.isinf(loss) else loss,
                             "bits_per_value": p.bits_per_value,
                             "cache_fraction": p.cache_fraction} for loss, c, p in planned]
     return best, planned[0][0]

@@ -28,6 +28,11 @@ def test_the_candidates_hold_plain_quantization_at_each_width_and_group():
     assert listed.index(waterfilled) == 4 and waterfilled.rope == "reconstruct"
     assert (waterfilled.latent_bits, waterfilled.latent_group) == (4, 64)
     assert not any(c.keys_waterfilled for c in candidates(["commute"], (16, 8, 4), (32, 64), True))
+    # vector codes after them (the caller plans them only where no plain candidate fits)
+    (vector,) = [c for c in listed if c.vector]
+    assert listed.index(vector) == 5 and vector.rope == "reconstruct"
+    assert not any(c.vector for c in candidates(["commute"], (16, 8, 4), (32, 64), True))
+    assert not any(c.vector for c in candidates(["reconstruct"], (4,), (32,), False))
     assert not any(c.keys_waterfilled for c in candidates(["reconstruct"], (16, 8), (64,), True))
 
 
@@ -152,3 +157,31 @@ def test_a_bit_budget_measures_keys_water_filled_beside_plain_values(model, tmp_
         assert math.isclose(held_out_loss(model, blocks, report.plan), measured[name]["loss"],
                             rel_tol=1e-9)
         assert "keys water-filled" in str(report)
+
+
+def test_below_plain_quantization_vector_codes_are_measured(model, tmp_path, monkeypatch):
+    """At 3 bits per value no plain candidate fits: the vector candidate is planned (books
+    fitted on calibration latents of the model, cached on disk) and measured, within the
+    budget, and its recorded loss is its own where it wins; at 9.5 bits it is not planned."""
+    from lorc_fx.analysis import analyze
+    from lorc_fx.plan.options import CalibrationOptions
+    from lorc_fx.search.split import held_out_loss
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    blocks = analyze(model)
+    calibration = CalibrationOptions(tokens=1024, window=128)
+    report = compress(model, bits_per_value=3.0, basis="weight", schedule="uniform",
+                      rope="reconstruct", blocks=blocks, progress=False,
+                      calibration=calibration)
+    measured = {c["candidate"]: c for c in report.plan.candidates}
+    (name,) = [n for n, c in measured.items() if c["vector"]]
+    assert not any(c["plain"] for c in measured.values())
+    assert measured[name]["bits_per_value"] <= 3.0 + 1e-9
+    assert list((tmp_path / "calibration").glob("vector-*.pt"))
+    if report.plan.kind == "vector":
+        assert math.isclose(held_out_loss(model, blocks, report.plan), measured[name]["loss"],
+                            rel_tol=1e-9)
+        assert "vector codes:" in str(report)
+    above = compress(model, bits_per_value=9.5, basis="weight", schedule="uniform",
+                     rope="reconstruct", blocks=blocks, progress=False, calibration=calibration)
+    assert not any(c["vector"] for c in above.plan.candidates)

@@ -1,0 +1,227 @@
+"""A cache layer that stores latents as product vector codes (a plan of ``kind == "vector"``).
+
+Each latent side with a :class:`~lorc_fx.cache.vector_codes.VectorBook` is held as
+
+- **codes**: the indices of whole blocks of ``BLOCK`` (8) tokens, packed per run
+  (``VectorCodes``: ``(b, S, blocks·index bits)`` uint8 each), the blocks aligned at cache
+  position 0;
+- a **window**: the tokens after the last whole block (fewer than ``BLOCK``), in the
+  latents' dtype, coded once their block fills (``keys`` / ``values`` hold it);
+- a **sink**: each row's first token's latent in the latents' dtype, read instead of its code
+  (position 0, or where ``place_sinks`` says: ``generate`` places each row's after its left
+  padding, from the attention mask).
+  The first token draws attention out of all proportion to its content (the attention sink);
+  coded, its error costs more than every other token's (measured: ×2.46 perplexity on news at
+  2.56 bits without it, ×1.043 with it; bench/results/bit_waterfill-cpu.md). Its code is
+  stored too, so blocks stay aligned at position 0.
+
+What attention reads is ``cat([decode(codes), window])`` with each row's sink written over its
+position, rebuilt through the bases. A side without a book (kept raw, or not coded) lives whole in
+``keys`` / ``values``, as in :class:`LatentDynamicLayer`.
+
+A forward outside ``generate`` over a left-padded batch keeps position 0 of every row (a pad
+token in a padded row): this layer never reads the attention mask itself.
+
+``crop`` keeps the whole blocks before the cut as they are and moves the kept tokens of the
+cut block back into the window, decoded (they are coded again, from their reconstructions,
+when the block fills). Beam reordering and batch repeat/select index codes, sinks and windows
+along batch. Coding and decoding run eagerly: under ``torch.compile`` they are left out of the
+graph (``torch.compiler.disable``), so a compiled model gives the eager tokens but no speed-up.
+A ``StaticCache`` of a vector plan is refused where the cache is built
+(``LatentCache.from_codecs``).
+"""
+from __future__ import annotations
+
+import torch
+
+from .layers import LatentCodec, LatentDynamicLayer, StoresBesideWindow
+from .vector_codes import BLOCK, VectorBook, VectorCodes, decode, encode
+
+
+class VectorCodedSide:
+    """One side's codes and sink (its window is the layer's ``keys`` or ``values``)."""
+
+    def __init__(self, book: VectorBook):
+        self.book = book
+        self.codes: VectorCodes | None = None  # whole blocks; None before the first block fills
+        self.sink: torch.Tensor | None = None  # (b, 1, 1, r): each row's first token as it came
+        self.sink_at: torch.Tensor | None = None  # (b,) its position; None: position 0
+        self.started = False
+
+    @property
+    def coded(self) -> int:
+        return 0 if self.codes is None else self.codes.tokens
+
+    def _sink_index(self, like: torch.Tensor) -> torch.Tensor:
+        """Where each row's sink sits, as an index into ``like``'s token axis."""
+        b, _, _, r = like.shape
+        at = like.new_zeros(b, dtype=torch.long) if self.sink_at is None else self.sink_at
+        return at.to(like.device).view(b, 1, 1, 1).expand(b, 1, 1, r)
+
+    @torch.compiler.disable
+    def append(self, window: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``new`` latents ``(b, 1, n, r)`` after ``window``'s, the whole blocks coded; the
+        window left (fewer than ``BLOCK`` tokens)."""
+        if not self.started:  # the first tokens: each row's sink among them
+            self.started = True
+            self.sink = new.gather(2, self._sink_index(new).clamp_max(new.shape[2] - 1)).clone()
+        window = torch.cat([window, new], dim=-2)
+        whole = window.shape[-2] // BLOCK * BLOCK
+        if whole:
+            self._extend(encode(window[:, 0, :whole].float(), self.book))
+        return window[:, :, whole:]
+
+    def _extend(self, fresh: VectorCodes) -> None:
+        if self.codes is None:
+            self.codes = fresh
+            return
+        payload = tuple(torch.cat([a, b], dim=-1) for a, b in zip(self.codes.payload, fresh.payload))
+        self.codes = VectorCodes(self.codes.spec, payload, self.codes.tokens + fresh.tokens)
+
+    @torch.compiler.disable
+    def read(self, window: torch.Tensor) -> torch.Tensor:
+        """Every token's latent ``(b, 1, n, r)``: decoded codes, then the window; each row's
+        sink as it came."""
+        if self.codes is None:
+            tokens = window
+        else:
+            decoded = decode(self.codes, self.book)[:, None].to(window.dtype)
+            tokens = torch.cat([decoded, window], dim=-2)
+        if self.sink is None:
+            return tokens
+        return tokens.scatter(2, self._sink_index(tokens), self.sink.to(tokens.dtype))
+
+    def cut(self, window: torch.Tensor, keep: int) -> torch.Tensor:
+        """Keep the first ``keep`` tokens (fewer than held): whole blocks stay coded, the rest
+        of the cut block returns to the window, decoded; a sink cut away is dropped (every
+        row's, where one row's is). Returns the window."""
+        coded = self.coded
+        if self.sink is not None and (keep == 0 or (self.sink_at is not None
+                                                    and int(self.sink_at.max()) >= keep)):
+            self.sink = None
+        self.started = keep > 0
+        if keep >= coded:
+            return window[:, :, :keep - coded]
+        blocks = keep // BLOCK
+        tail = decode(self.codes, self.book)[:, None, blocks * BLOCK:keep].to(window.dtype)
+        if blocks == 0:
+            self.codes = None
+        else:
+            self.codes = VectorCodes(self.codes.spec, tuple(
+                p[..., :blocks * p.shape[-1] // (coded // BLOCK)].clone()
+                for p in self.codes.payload), blocks * BLOCK)
+        return tail
+
+    def map_batch(self, fn) -> None:
+        for name in ("sink", "sink_at"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+        if self.codes is not None:
+            self.codes = VectorCodes(self.codes.spec, tuple(fn(p) for p in self.codes.payload),
+                                     self.codes.tokens)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [] if self.sink is None else [self.sink]
+        return out + ([] if self.codes is None else list(self.codes.payload))
+
+
+class VectorCodedLatentLayer(StoresBesideWindow, LatentDynamicLayer):
+    """A growing cache of latents stored as product vector codes where ``k_book`` /
+    ``v_book`` say (``None``: that side kept in the latents' dtype), beside a window of
+    fewer than 8 tokens and a sink per side (module docstring)."""
+
+    def __init__(self, bases: LatentCodec, k_book: VectorBook | None, v_book: VectorBook | None,
+                 logs_rotary: bool = False):
+        if k_book is None and v_book is None:
+            raise ValueError("a vector-coded layer codes at least one side")
+        for book, basis, side in ((k_book, bases.k_basis, "key"), (v_book, bases.v_basis, "value")):
+            if book is not None and (basis is None or basis.shape[0] != book.spec.width):
+                raise ValueError(f"the {side} book codes {book.spec.width} latent channels, but "
+                                 f"the {side} basis has "
+                                 f"{'none (side kept raw)' if basis is None else basis.shape[0]}")
+        super().__init__(bases, logs_rotary)
+        self.k_side = None if k_book is None else VectorCodedSide(k_book)
+        self.v_side = None if v_book is None else VectorCodedSide(v_book)
+        self._books = (k_book, v_book)
+
+    def _sides(self):
+        return ((self.k_side, "keys"), (self.v_side, "values"))
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        for side, _ in self._sides():
+            if side is not None:
+                side.book = side.book.to(key_states.device)
+
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Each row's sink at ``positions`` ``(b,)`` (its first token after left padding)
+        instead of position 0; before the first update."""
+        for side, _ in self._sides():
+            if side is not None:
+                if side.started:
+                    raise ValueError("sinks are placed before the cache holds tokens")
+                side.sink_at = positions.long()
+
+    def get_seq_length(self) -> int:
+        """Tokens cached: the keys' coded tokens and window (a raw side holds them all)."""
+        if not self.is_initialized or self.keys is None or self.keys.dim() < 2:
+            return 0
+        return (0 if self.k_side is None else self.k_side.coded) + self.keys.shape[-2]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.logs_rotary:
+            self.bases.rotary.append(None)
+        new = self.bases.compress(key_states, value_states)
+        read = []
+        for (side, name), latent in zip(self._sides(), new):
+            held = getattr(self, name)
+            if side is None:
+                held = torch.cat([held, latent], dim=-2) if held.numel() else latent
+                setattr(self, name, held)
+                read.append(held)
+            else:
+                window = held if held.dim() == 4 else latent[:, :, :0]
+                setattr(self, name, side.append(window, latent))
+                read.append(side.read(getattr(self, name)))
+        return self.bases.expand(*read)
+
+    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token's latents as attention reads them (decoded, sinks as they
+        came)."""
+        return tuple(getattr(self, name) if side is None else side.read(getattr(self, name))
+                     for side, name in self._sides())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds: windows, sinks, packed indices (the books are the
+        model's, like its weights: ``VectorBook.nbytes``)."""
+        out = []
+        for side, name in self._sides():
+            out.append(getattr(self, name))
+            out += [] if side is None else side.tensors()
+        return [t for t in out if isinstance(t, torch.Tensor)]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not "
+                             "supported: pass a negative number of tokens to remove")
+        length = self.get_seq_length()
+        if tokens_to_remove == 0 or length == 0:
+            return
+        keep = max(length + tokens_to_remove, 0)
+        for side, name in self._sides():
+            held = getattr(self, name)
+            setattr(self, name, held[:, :, :keep] if side is None else side.cut(held, keep))
+        if self._log() is not None:
+            self._log().crop(tokens_to_remove)
+
+    def _map_stores(self, fn) -> None:
+        for side, _ in self._sides():
+            if side is not None:
+                side.map_batch(fn)
+
+    def reset(self) -> None:
+        super().reset()
+        self.k_side = None if self._books[0] is None else VectorCodedSide(self._books[0])
+        self.v_side = None if self._books[1] is None else VectorCodedSide(self._books[1])

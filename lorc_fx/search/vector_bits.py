@@ -1,0 +1,198 @@
+"""The vector candidate: product vector codes fitted on calibration latents, bits allocated
+per tuple of channels (``plan.vector_allocation``), the keys' share of the bits measured.
+
+The calibration windows run once through the latent cache of the full-rank plan (keys before
+RoPE); every layer's cached latents, less each window's first token (the sink, never coded),
+are the samples. Per side and per width of ``WIDTHS`` a book is fitted on them
+(``cache.vector_codes.fit``: k-means per sub-vector, reconstructions keeping each channel's
+variance) and its relative squared error per channel measured on the same samples; the
+allocation cuts each layer's book from those (``select``). Which share of the bits the keys
+get is chosen by the held-out calibration loss among ``KEY_SHARES``.
+
+Why these constants (bench/results/bit_waterfill-cpu.md, fake-quantized on news, Austen and
+poems with the share chosen on the planner's held-out windows): tuples of 16 channels and
+half-bit widths gave the least loss at 2.56 and 1.92 bits per value; shares 0.35-0.45
+bracket the best found at both budgets.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import replace
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.cache.vector_codes import VectorBook, VectorSpec, decode, encode, fit, select
+from lorc_fx.data.models import user_cache_dir
+from lorc_fx.plan.calibration import (calibration_tokenizer, calibration_windows,
+                                      model_fingerprint, sampling_key, save_atomic)
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
+                                  value_energies)
+from lorc_fx.plan.schedules import UnreachableFraction
+from lorc_fx.plan.vector_allocation import code_budget, vector_bits
+from lorc_fx.search.split import held_out_loss
+from lorc_fx.search.windows import through_cache
+
+WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6)  # bits a channel a book is fitted at
+TUPLE_DIMS = 16  # channels allocated one width together (the longest sub-vector)
+KEY_SHARES = (0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
+FIT_ITERATIONS = 15  # Lloyd iterations per book
+
+_FORMAT = 1  # bump when what fit_books computes changes: cached books were fitted the old way
+
+Side = tuple[int, str]  # (layer, "k" or "v")
+Books = dict[Side, dict[float, VectorBook]]
+
+log = logging.getLogger(__name__)
+
+
+def _coded_sides(plan: Plan) -> list[Side]:
+    return [(l.layer, side) for l in plan.layers if not l.skipped
+            for side, ok in (("k", l.k_compressible), ("v", l.v_compressible)) if ok]
+
+
+@torch.no_grad()
+def calibration_latents(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                        windows: torch.Tensor) -> dict[Side, torch.Tensor]:
+    """Per coded side of ``full`` (a full-rank, unquantized plan), its cached latents on
+    ``windows`` as ``(samples, r)`` float32, each window's first token left out."""
+    samples: dict[Side, list[torch.Tensor]] = {}
+    for _, _, cache in through_cache(model, blocks, full, windows):
+        for layer, side in _coded_sides(full):
+            latent = getattr(cache.layers[layer], "keys" if side == "k" else "values")
+            samples.setdefault((layer, side), []).append(
+                latent[:, 0, 1:].reshape(-1, latent.shape[-1]).float().cpu())
+    return {key: torch.cat(parts) for key, parts in samples.items()}
+
+
+def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WIDTHS,
+              tuple_dims: int = TUPLE_DIMS, iters: int = FIT_ITERATIONS
+              ) -> Books:
+    """Per side, a book of its whole latent at each width (shows progress: minutes)."""
+    books: Books = {}
+    with tqdm(total=len(samples) * len(widths), desc="lorc: fitting vector codebooks",
+              unit="book") as bar:
+        for key, x in samples.items():
+            books[key] = {}
+            for b in widths:
+                books[key][b] = fit(x, VectorSpec(((x.shape[1], b),), tuple_dims), iters=iters)
+                bar.update()
+    return books
+
+
+def _books_file(model: nn.Module, full: Plan):
+    """Where the books of ``model`` fitted on the latents of ``full`` are cached: keyed by the
+    model, the calibration text and the bases themselves (their bytes hashed)."""
+    bases = hashlib.sha256()
+    for l in full.layers:
+        for t in (l.k_basis, l.v_basis):
+            bases.update(t.double().contiguous().numpy().tobytes())
+    key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
+                      "calibration": repr(full.options.calibration),
+                      **sampling_key(full.options.calibration), "bases": bases.hexdigest(),
+                      "widths": WIDTHS, "tuple_dims": TUPLE_DIMS, "iters": FIT_ITERATIONS},
+                     sort_keys=True)
+    return user_cache_dir() / "calibration" / f"vector-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+
+
+def cached_books(model: nn.Module, full: Plan, samples: dict[Side, torch.Tensor]) -> Books:
+    """:func:`fit_books` on ``samples``, from the disk cache where these were fitted before
+    (else fitted, ~20 min on 2 cores for the default model, and written there, said once)."""
+    path = _books_file(model, full)
+    if path.is_file():
+        data = torch.load(path, weights_only=True)
+        return {(layer, side): {b: VectorBook(VectorSpec(((samples[layer, side].shape[1], b),),
+                                                         TUPLE_DIMS),
+                                              tuple((c, v) for c, v in data[f"{layer}/{side}/{b}"]))
+                                for b in WIDTHS} for layer, side in samples}
+    log.warning("vector codes: fitting codebooks for every coded side at %d widths on %d "
+                "calibration latents each (once per model: they are cached in %s)",
+                len(WIDTHS), next(iter(samples.values())).shape[0], path.parent)
+    books = fit_books(samples)
+    save_atomic({f"{layer}/{side}/{b}": [list(t) for t in book.tables]
+                 for (layer, side), by_width in books.items() for b, book in by_width.items()},
+                path)
+    return books
+
+
+def coding_errors(samples: dict[Side, torch.Tensor], books: Books
+                  ) -> dict[Side, dict[float, torch.Tensor]]:
+    """Per side and width, each channel's squared coding error over its squared values."""
+    out = {}
+    for key, x in samples.items():
+        power = (x.double() ** 2).sum(0).clamp_min(1e-30)
+        out[key] = {b: ((decode(encode(x[None], book), book)[0] - x).double() ** 2).sum(0) / power
+                    for b, book in books[key].items()}
+    return out
+
+
+def _coded(layer: LayerPlan, side: str, bits: list[float], books: dict[float, VectorBook],
+           energy: torch.Tensor, tuple_dims: int) -> LayerPlan:
+    """``layer`` keeping the channels of ``side`` with nonzero ``bits``, coded by the book cut
+    from ``books`` (``energy``: the channels' spectrum energies)."""
+    basis, rebuild = getattr(layer, f"{side}_basis"), getattr(layer, f"{side}_rebuild")
+    if any(bits):
+        book, kept = select(books, bits, tuple_dims)
+    else:
+        book, kept = None, torch.zeros(0, dtype=torch.long)
+    total = float(energy.sum())
+    return replace(layer, **{f"{side}_rank": len(kept), f"{side}_basis": basis[kept],
+                             f"{side}_rebuild": rebuild[kept], f"{side}_book": book,
+                             f"{side}_energy_kept": float(energy[kept].sum()) / total
+                             if total > 0 else 1.0})
+
+
+def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
+                books: Books,
+                rho: dict[Side, dict[float, torch.Tensor]], key_share: float,
+                tuple_dims: int = TUPLE_DIMS) -> Plan:
+    """The vector plan at ``options``' budget from ``full`` (full rank, its basis rows in the
+    order of the energies of ``inputs``) with ``books`` and their errors ``rho``."""
+    sides = _coded_sides(full)
+    keys = [s for s in sides if s[1] == "k"]
+    values = [s for s in sides if s[1] == "v"]
+    if not keys or not values:
+        raise UnreachableFraction("vector codes: no layer caches both key and value latents", 0.0)
+    index = {l.layer: i for i, l in enumerate(full.layers)}
+    k_energy, v_energy = key_energies(inputs, options), value_energies(inputs)
+    k_bits, v_bits = vector_bits([k_energy[index[l]] for l, _ in keys],
+                                 [v_energy[index[l]] for l, _ in values],
+                                 [rho[s] for s in keys], [rho[s] for s in values],
+                                 code_budget(full, options), key_share, tuple_dims)
+    layers = list(full.layers)
+    for (layer, side), bits in [*zip(keys, k_bits), *zip(values, v_bits)]:
+        i = index[layer]
+        energy = (k_energy if side == "k" else v_energy)[i]
+        layers[i] = _coded(layers[i], side, bits, books[layer, side], energy, tuple_dims)
+    plan = replace(full, layers=layers, options=options, kind="vector")
+    reached = plan.bits_per_value if options.bits_per_value is not None else plan.cache_fraction
+    plan.reachable = (reached, reached)
+    return plan
+
+
+def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                     inputs: list[LayerInput], note: str) -> tuple[Plan, float]:
+    """The vector plan at ``options``' budget (``options.rope`` resolved to ``reconstruct``,
+    its basis to the one ``inputs`` carry), the keys' share of ``KEY_SHARES`` with the least
+    held-out loss, and that loss."""
+    full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
+                                       latent_bits=16, key_fraction=None))
+    calibration = options.calibration
+    windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
+    samples = calibration_latents(model, blocks, full, windows)
+    books = cached_books(model, full, samples)
+    rho = coding_errors(samples, books)
+    best = None
+    for share in KEY_SHARES:
+        plan = vector_plan(full, inputs, options, books, rho, share)
+        loss = held_out_loss(model, blocks, plan)
+        if best is None or loss < best[0]:
+            best = (loss, plan)
+    loss, plan = best
+    plan.basis_note = note
+    return plan, loss

@@ -1,0 +1,152 @@
+"""A vector plan through the cache: latents at full rank coded as product vector codes
+(``cache.vector_layers``), built as ``search.vector_bits`` builds it on a tiny random llama
+(books fitted on its latents of random tokens, a few Lloyd iterations)."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lorc_fx.analysis import analyze
+from lorc_fx.analysis.records import named_params
+from lorc_fx.api import compress, save_plan
+from lorc_fx.cache import latent_cache
+from lorc_fx.cache.vector_codes import BLOCK, decode
+from lorc_fx.cache.vector_layers import VectorCodedLatentLayer
+from lorc_fx.compile.backend import lorc_backend
+from lorc_fx.plan.planner import layer_inputs
+from lorc_fx.search.vector_bits import (calibration_latents, coding_errors, fit_books,
+                                        vector_plan)
+from helpers.families import VOCAB, build, config_for
+from helpers.pass_helpers import compiled, generate, prompt
+
+BUDGET = 3.0  # bits per value: the RoPE angle log and the sinks leave ~1.5 to the codes
+WIDTHS = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(config_for("llama", heads=4, kv_heads=2, layers=2))
+
+
+@pytest.fixture(scope="module")
+def plan(model):
+    full = compress(model, 1.0, schedule="uniform", basis="weight", rope="reconstruct").plan
+    blocks = analyze(model)
+    windows = torch.randint(3, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
+    samples = calibration_latents(model, blocks, full, windows)
+    books = fit_books(samples, WIDTHS, iters=3)
+    options = replace(full.options, bits_per_value=BUDGET)
+    inputs = layer_inputs(named_params(model), blocks)
+    return vector_plan(full, inputs, options, books, coding_errors(samples, books), 0.5)
+
+
+def forward(model, tokens, cache):
+    with torch.no_grad():
+        n = tokens.shape[1]
+        start = cache.get_seq_length()
+        model(tokens, past_key_values=cache, use_cache=True,
+              position_ids=torch.arange(start, start + n).expand(tokens.shape[0], n))
+
+
+def test_the_plan_codes_every_layer_within_the_budget(plan):
+    assert plan.kind == "vector"
+    assert BUDGET - 0.5 < plan.bits_per_value <= BUDGET + 1e-9
+    for l in plan.layers:
+        for book, rank in ((l.k_book, l.k_rank), (l.v_book, l.v_rank)):
+            assert book is not None and book.spec.width == rank > 0
+            assert {b for _, b in book.spec.runs} <= set(WIDTHS)
+
+
+def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan):
+    """Blocks are coded alone, so a prefill then one token a step holds the codes of one
+    prefill of all the tokens; attention reads position 0 as it came (the sink), every other
+    token decoded; the bytes are the codes', the sink's and the window's."""
+    compress(model, plan=plan)
+    tokens = torch.randint(3, VOCAB, (2, 29), generator=torch.Generator().manual_seed(1))
+    whole, steps = latent_cache(model), latent_cache(model)
+    forward(model, tokens, whole)
+    forward(model, tokens[:, :13], steps)
+    for i in range(13, 29):
+        forward(model, tokens[:, i:i + 1], steps)
+    for a, b in zip(whole.layers, steps.layers):
+        assert isinstance(a, VectorCodedLatentLayer) and a.get_seq_length() == 29
+        for x, y in zip(a.latents(), b.latents()):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        side = a.k_side
+        assert side.coded == 29 // BLOCK * BLOCK and a.keys.shape[-2] == 29 % BLOCK
+        read = a.latents()[0]
+        torch.testing.assert_close(read[:, :, 0], side.sink[:, :, 0])
+        coded = decode(side.codes, side.book)[:, None]
+        torch.testing.assert_close(read[:, :, 1:side.coded], coded[:, :, 1:])
+        assert side.codes.nbytes == side.book.spec.nbytes(2, side.coded)
+    itemsize = 4  # float32 model
+    r = sum(l.k_rank + l.v_rank for l in plan.layers)
+    codes = sum(side.codes.nbytes for l in whole.layers for side in (l.k_side, l.v_side))
+    assert whole.cache_bytes() == (codes + 2 * r * itemsize * (1 + 29 % BLOCK)
+                                   + whole.rotary.tensors()[0].nbytes * len(whole.rotary.tensors()))
+
+
+def test_crop_keeps_the_first_tokens_as_they_were_read(model, plan):
+    compress(model, plan=plan)
+    cache = latent_cache(model)
+    forward(model, torch.randint(3, VOCAB, (2, 27)), cache)
+    before = [layer.latents() for layer in cache.layers]
+    for keep in (20, 16, 5):
+        cache.crop(keep - cache.get_seq_length())
+        assert cache.get_seq_length() == keep
+        for layer, old in zip(cache.layers, before):
+            for x, y in zip(layer.latents(), old):
+                torch.testing.assert_close(x, y[:, :, :keep])
+
+
+def test_generate_continues_a_returned_cache_and_runs_beams(model, plan):
+    """Greedy decode in two calls, the second continuing the first's cache, gives the tokens
+    of one call (left padding in the batch); beams and batch expansion run; a static cache
+    and saving the plan are refused, naming why."""
+    compress(model, plan=plan)
+    ids, mask = prompt(length=6)
+    once = generate(model, ids, mask, new_tokens=20)
+    assert isinstance(once.past_key_values.layers[0], VectorCodedLatentLayer)
+    first = generate(model, ids, mask, new_tokens=9)
+    more = torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        second = model.generate(first.sequences, attention_mask=more, max_new_tokens=11,
+                                do_sample=False, past_key_values=first.past_key_values)
+    assert torch.equal(second, once.sequences)
+    beams = generate(model, ids, mask, new_tokens=10, num_beams=3, num_return_sequences=2)
+    assert beams.sequences.shape == (4, 16)
+    with pytest.raises(ValueError, match="dynamic cache"):
+        generate(model, ids, mask, "static", new_tokens=2)
+    with pytest.raises(ValueError, match="vector-coded plan"):
+        save_plan(plan, "unused")
+
+
+def test_compiled_generate_gives_the_eager_tokens(model, plan, caplog):
+    """Compiled (the passes, without Inductor), the codes are read outside the graph: the
+    eager tokens; installing the plan says what the vector codes leave eager."""
+    with caplog.at_level("WARNING", logger="lorc_fx.cache.install"):
+        compress(model, plan=plan)
+    assert "decodes them eagerly" in caplog.text
+    ids, mask = prompt(length=6)
+    eager = generate(model, ids, mask, new_tokens=10)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        got = generate(model, ids, mask, new_tokens=10)
+    assert torch.equal(got.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(eager.logits),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_a_left_padded_row_keeps_its_first_token_as_it_came(model, plan):
+    """generate places each row's sink after its left padding (from the attention mask): the
+    padded row reads its first token as it came and its other prompt tokens coded, as it
+    does alone, unpadded (each token is coded on its own, so padding moves no code once both
+    runs have coded their prompts)."""
+    compress(model, plan=plan)
+    ids, mask = prompt(length=6)  # row 1: two pad tokens first
+    both = generate(model, ids, mask, new_tokens=16)
+    alone = generate(model, ids[1:, 2:], mask[1:, 2:], new_tokens=16)
+    assert both.sequences[1, 2:7].tolist() == alone.sequences[0, :5].tolist()
+    for padded, single in zip(both.past_key_values.layers, alone.past_key_values.layers):
+        assert padded.k_side.sink_at.tolist() == [0, 2] and single.k_side.coded >= 8
+        for x, y in zip(padded.latents(), single.latents()):  # the prompt and first new token
+            torch.testing.assert_close(x[1, :, 2:7], y[0, :, :5], atol=1e-5, rtol=1e-5)
