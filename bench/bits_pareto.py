@@ -7,14 +7,16 @@ value, on news, Austen and a held-out genre (poems) (issue #13, parts 2 and 3).
 
 **LoRC**: ``lorc_fx.compress(model, bits_per_value=B)`` at default options: the planner
 measures plain 8/4-bit KV quantization where it fits (KIVI's layout), keys water-filled over
-8/4/3-bit latent rows beside plain 4-bit values (``plan.bit_allocation``), and then every
+8/4/3-bit latent rows beside plain 4-bit values (``plan.bit_allocation``), where no plain
+quantization fits the budget vector codes of full-rank latents (``search.vector_bits``: the
+first such budget fits the model's codebooks, ~20 min on 2 threads, cached), and then every
 low-rank candidate (16/8/4-bit latents in groups of 32 or 64 tokens at the rank that fills
 the budget, for both RoPE modes) on held-out calibration windows of text sampled from the
 model and keeps the least loss (a plain candidate within 0.002 nats of the uncompressed
 model's loss ends the search). Each kept plan is scored through the
 real latent cache (``score_windows``: a fresh cache per batch of 2 windows of 512 tokens,
 every window a whole number of groups, so every latent is read quantized, no full-precision
-window). Bits per value: the plan's, and measured from the cache's tensors (floats at 16
+window; a vector plan keeps each window's first token as it came, its sink). Bits per value: the plan's, and measured from the cache's tensors (floats at 16
 bits; below the plan's in reconstruct mode: the batch shares one row of RoPE angles).
 
 **KIVI-style**: ``kv_quant_baseline.KiviCache`` with no full-precision window (R=0), keys per
