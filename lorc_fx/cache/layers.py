@@ -126,6 +126,17 @@ class StoresBesideWindow:
     def _map_stores(self, fn) -> None:
         raise NotImplementedError
 
+    def _kept_after_crop(self, tokens_to_remove: int) -> int | None:
+        """How many tokens ``crop(tokens_to_remove)`` keeps (``DynamicLayer.crop``'s
+        contract: a negative count); None where there is nothing to cut."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not "
+                             "supported: pass a negative number of tokens to remove")
+        length = self.get_seq_length()
+        if tokens_to_remove == 0 or length == 0:
+            return None
+        return max(length + tokens_to_remove, 0)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         self._map_stores(lambda t: t.index_select(0, beam_idx.to(t.device)))

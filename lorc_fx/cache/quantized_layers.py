@@ -149,13 +149,9 @@ class QuantizedLatentDynamicLayer(StoresBesideWindow, LatentDynamicLayer):
         return self.bases.expand(*self.latents())
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not "
-                             "supported: pass a negative number of tokens to remove")
-        length = self.get_seq_length()
-        if tokens_to_remove == 0 or length == 0:
+        keep = self._kept_after_crop(tokens_to_remove)
+        if keep is None:
             return
-        keep = max(length + tokens_to_remove, 0)
         kept_groups = keep // self.group * self.group
 
         def cut(store, window):

@@ -203,13 +203,9 @@ class VectorCodedLatentLayer(StoresBesideWindow, LatentDynamicLayer):
         return [t for t in out if isinstance(t, torch.Tensor)]
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not "
-                             "supported: pass a negative number of tokens to remove")
-        length = self.get_seq_length()
-        if tokens_to_remove == 0 or length == 0:
+        keep = self._kept_after_crop(tokens_to_remove)
+        if keep is None:
             return
-        keep = max(length + tokens_to_remove, 0)
         for side, name in self._sides():
             held = getattr(self, name)
             setattr(self, name, held[:, :, :keep] if side is None else side.cut(held, keep))
