@@ -18,14 +18,14 @@ from lorc_fx.analysis.sharding import full_tensor, model_split
 from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
 from .metrics import relative
 from .options import SCALE_BITS, STORED_FLOAT_BITS, PlanOptions
+from .schedules import SCHEDULES, ScheduleInput, UnreachableFraction
+from .spectra import (Spectrum, block_diagonal, condition_number, real_spectrum,
+                      rope_commuting_spectrum)
 
 # a vector plan's budget pays for each sequence's first token in full precision (the sink,
 # ``cache.vector_layers``) as if sequences were this long: at 512 tokens or more the cache
 # holds at most the plan's bits per value
 SINK_SEQUENCE = 512
-from .schedules import SCHEDULES, ScheduleInput, UnreachableFraction
-from .spectra import (Spectrum, block_diagonal, condition_number, real_spectrum,
-                      rope_commuting_spectrum)
 
 
 @dataclass
@@ -196,10 +196,10 @@ class Plan:
     # "low_rank"; "plain": every layer full width with identity bases, i.e. plain KV-cache
     # quantization (``plain_quantized_plan``); "keys_waterfilled": key latents (before RoPE)
     # with a code width per row (``LayerPlan.k_bit_runs``), values the plain plan's
-    # (``plan.bit_allocation``)
+    # (``plan.bit_allocation``); "vector": latents at full rank coded as product vector codes
+    # (``LayerPlan.k_book`` / ``v_book``, ``plan.vector_allocation``), each sequence's first
+    # token kept as it came
     kind: str = "low_rank"
-    # "vector": latents at full rank coded as product vector codes (``LayerPlan.k_book`` /
-    # ``v_book``, ``plan.vector_allocation``), the first token of each sequence kept as it came
     # the candidates the bit-width search measured (``lorc_fx.search.bits``), best first
     candidates: list[dict] = field(default_factory=list)
     # the shard of ``options.shards`` this plan is (``local``): its layers cover that shard's
