@@ -133,6 +133,6 @@ def keys_waterfilled_plan(full: Plan, energies: list[torch.Tensor],
                                       f"{layers[i].layer} no key row", 0.0)
         layers[i] = _keys(layers[i], b, energies[i], group)
     plan = replace(full, layers=layers, options=options, kind="keys_waterfilled")
-    reached = plan.bits_per_value if options.bits_per_value is not None else plan.cache_fraction
-    plan.reachable = (reached, STORED_FLOAT_BITS if options.bits_per_value is not None else 1.0)
+    plan.reachable = (plan.size_as_asked,
+                      STORED_FLOAT_BITS if options.bits_per_value is not None else 1.0)
     return plan

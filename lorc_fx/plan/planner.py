@@ -230,6 +230,12 @@ class Plan:
         return self.bits_per_token(self.dtype_bits) / (full * self.dtype_bits)
 
     @property
+    def size_as_asked(self) -> float:
+        """The plan's size in the unit its options ask the budget in: bits per value, or
+        the cache fraction."""
+        return self.bits_per_value if self.options.bits_per_value is not None else self.cache_fraction
+
+    @property
     def bits_per_value(self) -> float:
         """Bits per cached K/V value, every stored float at 16 bits (16: uncompressed)."""
         full, _ = self.cache_elements_per_token()
@@ -585,6 +591,5 @@ def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
             v_basis=v_eye, k_rebuild=k_eye, v_rebuild=v_eye,
             note=l.note if l.kept_as_built else ""))
     plan = Plan(plans, options, (0.0, 0.0), 0, dtype_bits=dtype_bits, kind="plain")
-    reached = plan.bits_per_value if options.bits_per_value is not None else plan.cache_fraction
-    plan.reachable = (reached, reached)
+    plan.reachable = (plan.size_as_asked, plan.size_as_asked)
     return plan

@@ -43,7 +43,7 @@ TUPLE_DIMS = 16  # channels allocated one width together (the longest sub-vector
 KEY_SHARES = (0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
 FIT_ITERATIONS = 15  # Lloyd iterations per book
 
-_FORMAT = 1  # bump when what fit_books computes changes: cached books were fitted the old way
+_FORMAT = 2  # bump when what fitted_books computes changes (2: the coding errors kept too)
 
 Side = tuple[int, str]  # (layer, "k" or "v")
 Books = dict[Side, dict[float, VectorBook]]
@@ -100,24 +100,37 @@ def _books_file(model: nn.Module, full: Plan):
     return user_cache_dir() / "calibration" / f"vector-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
 
 
-def cached_books(model: nn.Module, full: Plan, samples: dict[Side, torch.Tensor]) -> Books:
-    """:func:`fit_books` on ``samples``, from the disk cache where these were fitted before
-    (else fitted, ~20 min on 2 cores for the default model, and written there, said once)."""
+def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                 windows: torch.Tensor) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
+    """The books fitted on the latents of ``full`` on ``windows`` and their coding errors
+    there (:func:`fit_books`, :func:`coding_errors`), from the disk cache where these were
+    fitted before: a later plan neither runs the windows nor measures again (else fitted,
+    ~20 min on 2 cores for the default model, and written there, said once)."""
     path = _books_file(model, full)
     if path.is_file():
         data = torch.load(path, weights_only=True)
-        return {(layer, side): {b: VectorBook(VectorSpec(((samples[layer, side].shape[1], b),),
-                                                         TUPLE_DIMS),
-                                              tuple((c, v) for c, v in data[f"{layer}/{side}/{b}"]))
-                                for b in WIDTHS} for layer, side in samples}
+        books, rho = {}, {}
+        for layer, side in _coded_sides(full):
+            books[layer, side], rho[layer, side] = {}, {}
+            for b in WIDTHS:
+                codewords, values = data["books"][f"{layer}/{side}/{b}"]
+                width = codewords.shape[0] * codewords.shape[2]  # sub-vectors × channels each
+                books[layer, side][b] = VectorBook(VectorSpec(((width, b),), TUPLE_DIMS),
+                                                   ((codewords, values),))
+                rho[layer, side][b] = data["errors"][f"{layer}/{side}/{b}"]
+        return books, rho
+    samples = calibration_latents(model, blocks, full, windows)
     log.warning("vector codes: fitting codebooks for every coded side at %d widths on %d "
                 "calibration latents each (once per model: they are cached in %s)",
                 len(WIDTHS), next(iter(samples.values())).shape[0], path.parent)
     books = fit_books(samples)
-    save_atomic({f"{layer}/{side}/{b}": [list(t) for t in book.tables]
-                 for (layer, side), by_width in books.items() for b, book in by_width.items()},
-                path)
-    return books
+    rho = coding_errors(samples, books)
+    save_atomic({"books": {f"{layer}/{side}/{b}": list(book.tables[0])
+                           for (layer, side), by_width in books.items()
+                           for b, book in by_width.items()},
+                 "errors": {f"{layer}/{side}/{b}": err for (layer, side), by_width in rho.items()
+                            for b, err in by_width.items()}}, path)
+    return books, rho
 
 
 def coding_errors(samples: dict[Side, torch.Tensor], books: Books
@@ -170,8 +183,7 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
         energy = (k_energy if side == "k" else v_energy)[i]
         layers[i] = _coded(layers[i], side, bits, books[layer, side], energy, tuple_dims)
     plan = replace(full, layers=layers, options=options, kind="vector")
-    reached = plan.bits_per_value if options.bits_per_value is not None else plan.cache_fraction
-    plan.reachable = (reached, reached)
+    plan.reachable = (plan.size_as_asked, plan.size_as_asked)
     return plan
 
 
@@ -184,9 +196,7 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
                                        latent_bits=16, key_fraction=None))
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
-    samples = calibration_latents(model, blocks, full, windows)
-    books = cached_books(model, full, samples)
-    rho = coding_errors(samples, books)
+    books, rho = fitted_books(model, blocks, full, windows)
     best = None
     for share in KEY_SHARES:
         plan = vector_plan(full, inputs, options, books, rho, share)
