@@ -140,7 +140,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
                    f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, torch {torch.__version__}",
         "note": ("Bits per cached K/V value, everything counted (codes, 16-bit scales and zero "
-                 "points, LoRC's RoPE angle log), every stored float at 16 bits: 16 = an "
+                 "points, LoRC's RoPE angle log: an angle per rotary pair and a magnitude a "
+                 "token), every stored float at 16 bits: 16 = an "
                  "uncompressed 16-bit cache. LoRC rows: `compress(model, bits_per_value=B)` at "
                  "default options (the planner measures plain 8/4-bit quantization in KIVI's "
                  "layout first, then keys water-filled over 8/4/3-bit latent rows beside plain "

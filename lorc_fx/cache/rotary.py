@@ -42,13 +42,23 @@ class RotaryLog:
     The attention modules hand the ``(cos, sin)`` of the incoming tokens to ``pending`` (a
     forward pre-hook set up by ``compress``); the first pre-RoPE layer to update appends
     them. transformers repeats each frequency's value over its pair (``cat(f, f)`` for
-    rotate-half, ``repeat_interleave(f, 2)`` for interleaved), so one value per pair is kept.
+    rotate-half, ``repeat_interleave(f, 2)`` for interleaved) and every pair of a token has
+    one magnitude (``attention_scaling``, 1 for plain RoPE), so a token's ``(cos, sin)`` is
+    ``m (cos θ_i, sin θ_i)``: the log keeps the angle ``θ_i`` per pair and ``m`` per token,
+    ``rotary_dim / 2 + 1`` values a token (``plan.planner`` charges that many).
+
+    Invariant: ``angles`` gives back what ``append`` received, to rounding; eager appends
+    check it (a model whose pairs differ in magnitude is refused there), traced ones trust
+    it. Angles are logged in float16 where the model computes in bfloat16 (bfloat16 holds an
+    angle near π only to 0.008 rad, float16 to 0.001, finer than bfloat16's own ``cos``),
+    otherwise in the model's dtype.
     """
 
     def __init__(self, style: str, max_cache_len: int | None = None):
         self.style, self.max_cache_len = style, max_cache_len
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.cos = self.sin = None  # (b, n, rotary_dim / 2)
+        self.angle = self.magnitude = None  # (b, n, rotary_dim / 2), (b, n, 1)
+        self.dtype: torch.dtype | None = None  # what ``angles`` hands back: the model's
 
     def incoming(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pending is None:
@@ -63,33 +73,57 @@ class RotaryLog:
     def _per_dim(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((x, x), dim=-1) if self.style == "half" else x.repeat_interleave(2, -1)
 
+    def _polar(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(θ, m)`` of one value per pair of ``(cos, sin)``, in the log's dtype."""
+        stored = torch.float16 if cos.dtype == torch.bfloat16 else cos.dtype
+        wide = torch.promote_types(cos.dtype, torch.float32)
+        cos, sin = self._per_pair(cos).to(wide), self._per_pair(sin).to(wide)
+        angle = torch.atan2(sin, cos)
+        magnitude = torch.hypot(cos, sin).mean(-1, keepdim=True)
+        if not torch.compiler.is_compiling():  # a traced graph has no data-dependent branch
+            tol = 8 * torch.finfo(stored).eps + 2 * torch.finfo(self.dtype).eps
+            rebuilt = magnitude * torch.cos(angle), magnitude * torch.sin(angle)
+            if not all(torch.allclose(r, x, rtol=0, atol=tol) for r, x in zip(rebuilt, (cos, sin))):
+                raise ValueError(
+                    "rope='reconstruct' logs one RoPE angle per pair and one magnitude per "
+                    "token, but this model's (cos, sin) pairs differ in magnitude within a "
+                    "token; use rope='commute'")
+        return angle.to(stored), magnitude.to(stored)
+
     def append(self, positions: torch.Tensor | None) -> None:
-        cos, sin = (self._per_pair(x) for x in self.incoming())
-        if self.cos is None:
+        cos, sin = self.incoming()
+        if self.dtype is None:
+            self.dtype = cos.dtype
+        angle, magnitude = self._polar(cos, sin)
+        if self.angle is None:
             if self.max_cache_len is None:
-                self.cos, self.sin = cos[:, :0], sin[:, :0]
+                self.angle, self.magnitude = angle[:, :0], magnitude[:, :0]
             else:
-                shape = (cos.shape[0], self.max_cache_len, cos.shape[-1])
-                self.cos, self.sin = cos.new_zeros(shape), sin.new_zeros(shape)
+                self.angle = angle.new_zeros(angle.shape[0], self.max_cache_len, angle.shape[-1])
+                self.magnitude = magnitude.new_zeros(angle.shape[0], self.max_cache_len, 1)
         if positions is None:
-            self.cos = torch.cat([self.cos, cos], dim=1)
-            self.sin = torch.cat([self.sin, sin], dim=1)
+            self.angle = torch.cat([self.angle, angle], dim=1)
+            self.magnitude = torch.cat([self.magnitude, magnitude], dim=1)
         else:
-            self.cos.index_copy_(1, positions, cos)
-            self.sin.index_copy_(1, positions, sin)
+            self.angle.index_copy_(1, positions, angle)
+            self.magnitude.index_copy_(1, positions, magnitude)
 
     def angles(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of the first ``length`` cached tokens, one value per head dim."""
-        return self._per_dim(self.cos[:, :length]), self._per_dim(self.sin[:, :length])
+        """``(cos, sin)`` of the first ``length`` cached tokens, one value per head dim, in
+        the model's dtype."""
+        wide = torch.promote_types(self.dtype, torch.float32)
+        angle, magnitude = self.angle[:, :length].to(wide), self.magnitude[:, :length].to(wide)
+        return (self._per_dim(magnitude * torch.cos(angle)).to(self.dtype),
+                self._per_dim(magnitude * torch.sin(angle)).to(self.dtype))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.cos, self.sin) if t is not None]
+        return [t for t in (self.angle, self.magnitude) if t is not None]
 
     def map(self, fn) -> None:
-        """Apply ``fn`` to the logged ``cos`` and ``sin`` (a batch or length operation that
+        """Apply ``fn`` to the logged angles and magnitudes (a batch or length operation that
         the owning cache layer applies to its own latents too)."""
-        if self.cos is not None:
-            self.cos, self.sin = fn(self.cos), fn(self.sin)
+        if self.angle is not None:
+            self.angle, self.magnitude = fn(self.angle), fn(self.magnitude)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (a growing log; a preallocated one is
@@ -100,6 +134,6 @@ class RotaryLog:
     def reset(self) -> None:
         self.pending = None
         if self.max_cache_len is None:
-            self.cos = self.sin = None
+            self.angle = self.magnitude = None
         else:
             self.map(torch.zero_)

@@ -38,8 +38,11 @@ PLAN_FILE = "lorc_plan.safetensors"  # the file name used when a path names a di
 FORMAT = "lorc_fx.plan"  # the metadata key, and the JSON's "format"
 # bump when what the file holds changes (2: bits_per_value, dtype_bits, kind; 3: a plain plan
 # stores values per token, KIVI's layout, where version 2 stored them per channel; 4: kind
-# keys_waterfilled, whose layers record their key rows' code widths)
-VERSION = 4
+# keys_waterfilled, whose layers record their key rows' code widths; 5: the RoPE angle log
+# holds an angle per pair and a magnitude, ``rotary_dim / 2 + 1`` values a token, where up to
+# version 4 it held ``cos`` and ``sin``, ``rotary_dim``: an older plan is read with the smaller
+# log, its latents as planned)
+VERSION = 5
 _SAMPLES = 1024  # weight values hashed per tensor
 # config keys that loading or saving changes (``save_pretrained`` fills in ``architectures``
 # and ``dtype``); the parameters' names and shapes say which head the model has
@@ -223,8 +226,11 @@ def load_plan(path: str | os.PathLike) -> Plan:
                                     "per channel; plan again (values are now quantized per "
                                     "token)")
             layers = [_layer(f, l, source) for l in data["layers"]]
-            plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]),
-                        data["rotary_log"], basis_note=data.get("basis_note", ""),
+            rotary_log = data["rotary_log"]
+            if data["version"] < 5 and rotary_log:
+                rotary_log = rotary_log // 2 + 1
+            plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]), rotary_log,
+                        basis_note=data.get("basis_note", ""),
                         fraction_search=data.get("fraction_search"),
                         fingerprint=data["fingerprint"], model_name=data.get("model"),
                         dtype_bits=data.get("dtype_bits", 16), kind=data.get("kind", "low_rank"),

@@ -471,10 +471,10 @@ def _key_latent_of(layer: LayerInput, options: PlanOptions) -> str:
 
 def _rotary_log(layers: list[LayerInput], compress_k: list[bool], options: PlanOptions) -> int:
     """Elements per token of the RoPE angles a cache keeps once for all its pre-RoPE latents
-    (``cos`` and ``sin`` per rotary pair)."""
+    (``cache.rotary.RotaryLog``: an angle per rotary pair and one magnitude)."""
     dims = [l.rope.rotary_dim for l, c in zip(layers, compress_k)
             if c and _key_latent_of(l, options) == "pre_rope"]
-    return max(dims, default=0)
+    return max(dims) // 2 + 1 if dims else 0
 
 
 def budget_reached(options: PlanOptions, kept: float, full: int, fixed: int, rotary_log: int,

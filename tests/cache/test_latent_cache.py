@@ -131,7 +131,7 @@ class LatentCacheMachine(RuleBasedStateMachine):
         for got, want in zip(seen(self.latent), seen(self.reference)):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
         if self.latent.rotary is not None:
-            assert self.latent.rotary.cos.shape[:2] == (self.batch, self.reference.get_seq_length())
+            assert self.latent.rotary.angle.shape[:2] == (self.batch, self.reference.get_seq_length())
 
 
 TestLatentCacheMachine = LatentCacheMachine.TestCase
@@ -160,7 +160,7 @@ def test_static_latent_layer_matches_static_cache(pre_rope):
             torch.testing.assert_close(g[:, :, :position], w[:, :, :position], rtol=1e-9, atol=1e-9)
     layer = latent.layers[0]
     assert layer.keys.shape == (2, 1, 8, WIDTH)  # one latent row per position, preallocated
-    expected = 2 * 2 * 8 * WIDTH * 8 + (2 * 2 * 8 * HEAD_DIM // 2 * 8 if pre_rope else 0)
+    expected = 2 * 2 * 8 * WIDTH * 8 + (2 * 8 * (HEAD_DIM // 2 + 1) * 8 if pre_rope else 0)
     assert latent.cache_bytes() == expected
 
 

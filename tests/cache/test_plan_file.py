@@ -85,6 +85,24 @@ def test_saved_plan_installs_without_planning_and_gives_the_same_logits(rope, tm
     assert torch.equal(latent_logits(again), latent_logits(model))
 
 
+def test_a_version_4_plan_is_read_with_the_smaller_angle_log(tmp_path, forbid_planning):
+    """Up to version 4 the angle log held cos and sin (rotary_dim a token); its plan reads back
+    with an angle and a magnitude per pair (rotary_dim / 2 + 1), what the cache now holds."""
+    model = tiny()
+    report = lorc_fx.compress(model, 0.5, rope="reconstruct", rank_multiple=1, **FAST)
+    path = report.save(tmp_path / "p.safetensors")
+    rotary_dim = model.config.head_dim
+    assert report.plan.rotary_log == rotary_dim // 2 + 1
+    _rewrite_metadata(path, lambda d, t: d.update(version=4, rotary_log=rotary_dim))
+    forbid_planning()
+    again = tiny()
+    assert lorc_fx.compress(again, plan=path).plan.rotary_log == rotary_dim // 2 + 1
+    cache = latent_cache(again)
+    with torch.no_grad():
+        again(torch.arange(3, 13)[None], past_key_values=cache, use_cache=True)
+    assert cache.bits_per_value() == pytest.approx(again._lorc_plan.bits_per_value)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A compressed tiny model, its blocks and report, and its plan saved to a file."""

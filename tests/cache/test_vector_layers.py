@@ -83,7 +83,7 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
     r = sum(l.k_rank + l.v_rank for l in plan.layers)
     codes = sum(side.codes.nbytes for l in whole.layers for side in (l.k_side, l.v_side))
     assert whole.cache_bytes() == (codes + 2 * r * itemsize * (1 + 29 % BLOCK)
-                                   + whole.rotary.tensors()[0].nbytes * len(whole.rotary.tensors()))
+                                   + sum(t.nbytes for t in whole.rotary.tensors()))
 
 
 def test_crop_keeps_the_first_tokens_as_they_were_read(model, plan):

@@ -119,7 +119,7 @@ def test_full_fraction_gives_identity_projections(rope_mode, schedule):
     layers = random_layers(1, 3, 2, 8, 32, RopeLayout("half", 8))
     plan = plan_layers(layers, PlanOptions(1.0, schedule, rope_mode))
     full, kept = plan.cache_elements_per_token()  # every dim, and in reconstruct mode the angles
-    assert plan.rotary_log == (8 if rope_mode == "reconstruct" else 0)
+    assert plan.rotary_log == (8 // 2 + 1 if rope_mode == "reconstruct" else 0)  # angles, magnitude
     assert kept == full + plan.rotary_log
     for l in plan.layers:
         for basis, full in ((l.k_basis, l.k_full), (l.v_basis, l.v_full)):
