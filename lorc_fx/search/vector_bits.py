@@ -43,7 +43,10 @@ TUPLE_DIMS = 16  # channels allocated one width together (the longest sub-vector
 KEY_SHARES = (0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
 FIT_ITERATIONS = 15  # Lloyd iterations per book
 
-_FORMAT = 2  # bump when what fitted_books computes changes (2: the coding errors kept too)
+_FORMAT = 3  # bump when what fitted_books computes changes (2: the coding errors kept too;
+# 3: the bases kept too, compared on reading)
+BASES_ATOL = 1e-6  # bases this close to those the books were fitted under reuse them: the same
+# calibration at another thread count moved the default model's by at most 4e-12
 
 Side = tuple[int, str]  # (layer, "k" or "v")
 Books = dict[Side, dict[float, VectorBook]]
@@ -85,30 +88,45 @@ def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WID
     return books
 
 
+def _bases(full: Plan) -> dict[str, torch.Tensor]:
+    """The basis of every coded side of ``full``, by ``"layer/side"``."""
+    layers = {l.layer: l for l in full.layers}
+    return {f"{layer}/{side}": getattr(layers[layer], f"{side}_basis")
+            for layer, side in _coded_sides(full)}
+
+
 def _books_file(model: nn.Module, full: Plan):
     """Where the books of ``model`` fitted on the latents of ``full`` are cached: keyed by the
-    model, the calibration text and the bases themselves (their bytes hashed)."""
-    bases = hashlib.sha256()
-    for l in full.layers:
-        for t in (l.k_basis, l.v_basis):
-            bases.update(t.double().contiguous().numpy().tobytes())
+    model and the calibration text (the bases they were fitted under are kept in the file and
+    compared on reading: their bytes vary with the thread count)."""
     key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
                       "calibration": repr(full.options.calibration),
-                      **sampling_key(full.options.calibration), "bases": bases.hexdigest(),
-                      "widths": WIDTHS, "tuple_dims": TUPLE_DIMS, "iters": FIT_ITERATIONS},
-                     sort_keys=True)
+                      **sampling_key(full.options.calibration), "basis": full.options.basis,
+                      "rope": full.options.rope, "widths": WIDTHS, "tuple_dims": TUPLE_DIMS,
+                      "iters": FIT_ITERATIONS}, sort_keys=True)
     return user_cache_dir() / "calibration" / f"vector-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+
+
+def _fitted_under(data: dict, bases: dict[str, torch.Tensor]) -> bool:
+    """Whether cached books were fitted under ``bases`` (to ``BASES_ATOL``)."""
+    kept = data.get("bases", {})
+    return all(name in kept and kept[name].shape == basis.shape
+               and torch.allclose(kept[name].double(), basis.double(), rtol=0, atol=BASES_ATOL)
+               for name, basis in bases.items())
 
 
 def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
                  windows: torch.Tensor) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
     """The books fitted on the latents of ``full`` on ``windows`` and their coding errors
     there (:func:`fit_books`, :func:`coding_errors`), from the disk cache where these were
-    fitted before: a later plan neither runs the windows nor measures again (else fitted,
+    fitted before under the same bases (``BASES_ATOL``): a later plan neither runs the windows nor measures again (else fitted,
     ~20 min on 2 cores for the default model, and written there, said once)."""
-    path = _books_file(model, full)
-    if path.is_file():
-        data = torch.load(path, weights_only=True)
+    path, bases = _books_file(model, full), _bases(full)
+    data = torch.load(path, weights_only=True) if path.is_file() else None
+    if data is not None and not _fitted_under(data, bases):
+        log.warning("vector codes: the calibrated bases are not those the cached codebooks in "
+                    "%s were fitted under; fitting them again", path)
+    elif data is not None:
         books, rho = {}, {}
         for layer, side in _coded_sides(full):
             books[layer, side], rho[layer, side] = {}, {}
@@ -129,7 +147,8 @@ def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
                            for (layer, side), by_width in books.items()
                            for b, book in by_width.items()},
                  "errors": {f"{layer}/{side}/{b}": err for (layer, side), by_width in rho.items()
-                            for b, err in by_width.items()}}, path)
+                            for b, err in by_width.items()},
+                 "bases": bases}, path)
     return books, rho
 
 

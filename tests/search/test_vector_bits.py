@@ -1,0 +1,41 @@
+"""Cached vector codebooks are reused under the bases they were fitted under, and only then."""
+import logging
+from dataclasses import replace
+
+import torch
+
+from lorc_fx.plan.planner import PlanOptions, plan_layers
+from lorc_fx.search import vector_bits
+from helpers.plan_inputs import random_layers
+
+
+def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch, caplog):
+    full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
+    gen = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(vector_bits, "_books_file", lambda model, plan: tmp_path / "books.pt")
+    monkeypatch.setattr(vector_bits, "calibration_latents", lambda model, blocks, plan, windows: {
+        side: torch.randn(300, 16, generator=gen) for side in vector_bits._coded_sides(plan)})
+    fits = []
+    fit = vector_bits.fit_books
+    monkeypatch.setattr(vector_bits, "fit_books", lambda samples: fits.append(1) or fit(
+        samples, widths=vector_bits.WIDTHS, iters=2))
+
+    books, rho = vector_bits.fitted_books(None, [], full, None)
+    again, rho_again = vector_bits.fitted_books(None, [], full, None)
+    assert len(fits) == 1
+    side = next(iter(books))
+    for b in vector_bits.WIDTHS:
+        assert all(torch.equal(x, y) for x, y in zip(books[side][b].tables[0],
+                                                     again[side][b].tables[0]))
+        assert torch.equal(rho[side][b], rho_again[side][b])
+
+    # what another thread count does to the bases (~1e-12): the books are still theirs
+    nudged = [replace(l, k_basis=l.k_basis + 1e-10) for l in full.layers]
+    vector_bits.fitted_books(None, [], replace(full, layers=nudged), None)
+    assert len(fits) == 1
+    # a basis that moved: the books coded other latents, so they are fitted again, said once
+    moved = [replace(l, v_basis=l.v_basis.flip(0)) for l in full.layers]
+    with caplog.at_level(logging.WARNING, logger="lorc_fx"):
+        vector_bits.fitted_books(None, [], replace(full, layers=moved), None)
+    assert len(fits) == 2
+    assert any("not those the cached codebooks" in r.getMessage() for r in caplog.records)
