@@ -119,8 +119,9 @@ def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
                  windows: torch.Tensor) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
     """The books fitted on the latents of ``full`` on ``windows`` and their coding errors
     there (:func:`fit_books`, :func:`coding_errors`), from the disk cache where these were
-    fitted before under the same bases (``BASES_ATOL``): a later plan neither runs the windows nor measures again (else fitted,
-    ~20 min on 2 cores for the default model, and written there, said once)."""
+    fitted before under the same bases (``BASES_ATOL``): a later plan neither runs the
+    windows nor measures again (else fitted, ~20 min on 2 cores for the default model, and
+    written there, said once)."""
     path, bases = _books_file(model, full), _bases(full)
     data = torch.load(path, weights_only=True) if path.is_file() else None
     if data is not None and not _fitted_under(data, bases):
