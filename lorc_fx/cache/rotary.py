@@ -75,13 +75,14 @@ class RotaryLog:
 
     def _polar(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(θ, m)`` of one value per pair of ``(cos, sin)``, in the log's dtype."""
-        stored = torch.float16 if cos.dtype == torch.bfloat16 else cos.dtype
-        wide = torch.promote_types(cos.dtype, torch.float32)
+        given = cos.dtype
+        stored = torch.float16 if given == torch.bfloat16 else given
+        wide = torch.promote_types(given, torch.float32)
         cos, sin = self._per_pair(cos).to(wide), self._per_pair(sin).to(wide)
         angle = torch.atan2(sin, cos)
         magnitude = torch.hypot(cos, sin).mean(-1, keepdim=True)
         if not torch.compiler.is_compiling():  # a traced graph has no data-dependent branch
-            tol = 8 * torch.finfo(stored).eps + 2 * torch.finfo(self.dtype).eps
+            tol = 8 * torch.finfo(stored).eps + 2 * torch.finfo(given).eps
             rebuilt = magnitude * torch.cos(angle), magnitude * torch.sin(angle)
             if not all(torch.allclose(r, x, rtol=0, atol=tol) for r, x in zip(rebuilt, (cos, sin))):
                 raise ValueError(

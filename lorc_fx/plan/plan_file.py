@@ -30,7 +30,7 @@ from lorc_fx.analysis.records import AttentionBlock, RopeLayout
 from lorc_fx.analysis.sharding import full_tensor, model_split
 
 from .options import CalibrationOptions, PlanOptions
-from .planner import LayerPlan, Plan, process_plan
+from .planner import LayerPlan, Plan, angle_log_width, process_plan
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +227,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
                                     "token)")
             layers = [_layer(f, l, source) for l in data["layers"]]
             rotary_log = data["rotary_log"]
-            if data["version"] < 5 and rotary_log:
-                rotary_log = rotary_log // 2 + 1
+            if data["version"] < 5 and rotary_log:  # it was the rotary dims (cos and sin)
+                rotary_log = angle_log_width(rotary_log)
             plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]), rotary_log,
                         basis_note=data.get("basis_note", ""),
                         fraction_search=data.get("fraction_search"),

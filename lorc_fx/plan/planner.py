@@ -469,12 +469,17 @@ def _key_latent_of(layer: LayerInput, options: PlanOptions) -> str:
     return "pre_rope" if pre else "post_rope"
 
 
-def _rotary_log(layers: list[LayerInput], compress_k: list[bool], options: PlanOptions) -> int:
-    """Elements per token of the RoPE angles a cache keeps once for all its pre-RoPE latents
+def angle_log_width(rotary_dim: int) -> int:
+    """Values per token the RoPE angle log keeps for ``rotary_dim`` rotated head dims
     (``cache.rotary.RotaryLog``: an angle per rotary pair and one magnitude)."""
+    return rotary_dim // 2 + 1
+
+
+def _rotary_log(layers: list[LayerInput], compress_k: list[bool], options: PlanOptions) -> int:
+    """Elements per token of the RoPE angles a cache keeps once for all its pre-RoPE latents."""
     dims = [l.rope.rotary_dim for l, c in zip(layers, compress_k)
             if c and _key_latent_of(l, options) == "pre_rope"]
-    return max(dims) // 2 + 1 if dims else 0
+    return angle_log_width(max(dims)) if dims else 0
 
 
 def budget_reached(options: PlanOptions, kept: float, full: int, fixed: int, rotary_log: int,

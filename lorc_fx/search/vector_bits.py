@@ -115,6 +115,20 @@ def _fitted_under(data: dict, bases: dict[str, torch.Tensor]) -> bool:
                for name, basis in bases.items())
 
 
+def _read_books(data: dict, full: Plan) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
+    """The books and coding errors of every coded side of ``full`` in a books file's ``data``."""
+    books, rho = {}, {}
+    for layer, side in _coded_sides(full):
+        books[layer, side], rho[layer, side] = {}, {}
+        for b in WIDTHS:
+            codewords, values = data["books"][f"{layer}/{side}/{b}"]
+            width = codewords.shape[0] * codewords.shape[2]  # sub-vectors × channels each
+            books[layer, side][b] = VectorBook(VectorSpec(((width, b),), TUPLE_DIMS),
+                                               ((codewords, values),))
+            rho[layer, side][b] = data["errors"][f"{layer}/{side}/{b}"]
+    return books, rho
+
+
 def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
                  windows: torch.Tensor) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
     """The books fitted on the latents of ``full`` on ``windows`` and their coding errors
@@ -123,21 +137,12 @@ def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
     windows nor measures again (else fitted, ~20 min on 2 cores for the default model, and
     written there, said once)."""
     path, bases = _books_file(model, full), _bases(full)
-    data = torch.load(path, weights_only=True) if path.is_file() else None
-    if data is not None and not _fitted_under(data, bases):
+    if path.is_file():
+        data = torch.load(path, weights_only=True)
+        if _fitted_under(data, bases):
+            return _read_books(data, full)
         log.warning("vector codes: the calibrated bases are not those the cached codebooks in "
                     "%s were fitted under; fitting them again", path)
-    elif data is not None:
-        books, rho = {}, {}
-        for layer, side in _coded_sides(full):
-            books[layer, side], rho[layer, side] = {}, {}
-            for b in WIDTHS:
-                codewords, values = data["books"][f"{layer}/{side}/{b}"]
-                width = codewords.shape[0] * codewords.shape[2]  # sub-vectors × channels each
-                books[layer, side][b] = VectorBook(VectorSpec(((width, b),), TUPLE_DIMS),
-                                                   ((codewords, values),))
-                rho[layer, side][b] = data["errors"][f"{layer}/{side}/{b}"]
-        return books, rho
     samples = calibration_latents(model, blocks, full, windows)
     log.warning("vector codes: fitting codebooks for every coded side at %d widths on %d "
                 "calibration latents each (once per model: they are cached in %s)",
