@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -126,6 +127,8 @@ def main() -> None:
     args = parser.parse_args()
     STEM = args.stem
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("lorc_fx.search.vector_bits").setLevel(logging.INFO)  # what it measured
     path = RESULTS / f"{STEM}.json"
     doc = json.loads(path.read_text()) if path.exists() and not args.fresh else None
     if args.report_only:

@@ -130,7 +130,8 @@ def calibration_windows(tokenizer, options: CalibrationOptions,
     return torch.stack(out)
 
 
-def _owner(weight_name: str) -> str:
+def owner_module(weight_name: str) -> str:
+    """The name of the module that holds the weight ``weight_name``."""
     return weight_name.rsplit(".", 1)[0]
 
 
@@ -139,7 +140,7 @@ def collect(model: nn.Module, blocks: list[AttentionBlock], windows: torch.Tenso
             batch_size: int = 2) -> dict:
     """Input grams per K-owning module and attention moments per layer, over ``windows``."""
     supported = [b for b in blocks if b.supported]
-    modules = sorted({_owner(b.k.weight) for b in supported})
+    modules = sorted({owner_module(b.k.weight) for b in supported})
     sums: dict[str, torch.Tensor] = {}
     counts = dict.fromkeys(modules, 0)
 
@@ -228,7 +229,7 @@ def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
     for b in blocks:
         if b.supported:
             moments = data["attention"].get(b.layer)
-            out[b.layer] = LayerStatistics(data["input_grams"][_owner(b.k.weight)],
+            out[b.layer] = LayerStatistics(data["input_grams"][owner_module(b.k.weight)],
                                            AttentionMoments(**moments) if moments else None)
     return out
 

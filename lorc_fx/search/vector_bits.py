@@ -6,17 +6,23 @@ RoPE); every layer's cached latents, less each window's first token (the sink, n
 are the samples. Per side and per width of ``WIDTHS`` a book is fitted on them
 (``cache.vector_codes.fit``: k-means per sub-vector, reconstructions keeping each channel's
 variance) and its relative squared error per channel measured on the same samples; the
-allocation cuts each layer's book from those (``select``). Which share of the bits the keys
-get is chosen by the held-out calibration loss among ``KEY_SHARES``.
+allocation cuts each layer's book from those (``select``). A channel's relative error is
+weighed by the spectra's energies or by what the loss minds it (``plan.sensitivity``:
+diagonal Fisher times the channel's power, measured on the same windows, where a side's
+latent is linear in its projection); which weights, and which share of the bits the keys
+get (``KEY_SHARES``), are chosen together by the held-out calibration loss.
 
 Why these constants (bench/results/bit_waterfill-cpu.md, fake-quantized on news, Austen and
 poems with the share chosen on the planner's held-out windows): tuples of 16 channels and
-half-bit widths gave the least loss at 2.56 and 1.92 bits per value; shares 0.35-0.45
-bracket the best found at both budgets.
+half-bit widths gave the least loss at 2.56 and 1.92 bits per value. The shares: 0.35-0.45
+bracketed the best under the energies; under the sensitivities at 1.92 bits 0.35 had the
+least held-out loss (2.506 nats; 0.30: 2.526, 0.40: 2.521, 0.45: 2.532). Neither weighting wins everywhere: on the default model the sensitivities had
+the lower held-out loss at 1.92 and 2.56 bits, the energies at 3 (bench/results/bits_pareto-cpu.md).
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 from dataclasses import replace
@@ -34,13 +40,14 @@ from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
                                   value_energies)
 from lorc_fx.plan.schedules import UnreachableFraction
+from lorc_fx.plan.sensitivity import latent_sensitivities
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.split import held_out_loss
 from lorc_fx.search.windows import through_cache
 
 WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6)  # bits a channel a book is fitted at
 TUPLE_DIMS = 16  # channels allocated one width together (the longest sub-vector)
-KEY_SHARES = (0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
+KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
 FIT_ITERATIONS = 15  # Lloyd iterations per book
 
 _FORMAT = 3  # bump when what fitted_books computes changes (2: the coding errors kept too;
@@ -188,9 +195,12 @@ def _coded(layer: LayerPlan, side: str, bits: list[float], books: dict[float, Ve
 def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
                 books: Books,
                 rho: dict[Side, dict[float, torch.Tensor]], key_share: float,
+                weights: dict[Side, torch.Tensor] | None = None,
                 tuple_dims: int = TUPLE_DIMS) -> Plan:
     """The vector plan at ``options``' budget from ``full`` (full rank, its basis rows in the
-    order of the energies of ``inputs``) with ``books`` and their errors ``rho``."""
+    order of the energies of ``inputs``) with ``books`` and their errors ``rho``, each
+    channel's relative error weighed by ``weights`` (``plan.sensitivity``; ``None``: the
+    spectra's energies)."""
     sides = _coded_sides(full)
     keys = [s for s in sides if s[1] == "k"]
     values = [s for s in sides if s[1] == "v"]
@@ -198,8 +208,13 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
         raise UnreachableFraction("vector codes: no layer caches both key and value latents", 0.0)
     index = {l.layer: i for i, l in enumerate(full.layers)}
     k_energy, v_energy = key_energies(inputs, options), value_energies(inputs)
-    k_bits, v_bits = vector_bits([k_energy[index[l]] for l, _ in keys],
-                                 [v_energy[index[l]] for l, _ in values],
+
+    def weight(side: Side) -> torch.Tensor:
+        if weights is not None:
+            return weights[side]
+        return (k_energy if side[1] == "k" else v_energy)[index[side[0]]]
+
+    k_bits, v_bits = vector_bits([weight(s) for s in keys], [weight(s) for s in values],
                                  [rho[s] for s in keys], [rho[s] for s in values],
                                  code_budget(full, options), key_share, tuple_dims)
     layers = list(full.layers)
@@ -215,17 +230,24 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
 def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
                      inputs: list[LayerInput], note: str) -> tuple[Plan, float]:
     """The vector plan at ``options``' budget (``options.rope`` resolved to ``reconstruct``,
-    its basis to the one ``inputs`` carry), the keys' share of ``KEY_SHARES`` with the least
-    held-out loss, and that loss."""
+    its basis to the one ``inputs`` carry) with the least held-out loss over the channels'
+    weights (the spectra's energies, the loss's sensitivities where measurable) and the keys'
+    share of ``KEY_SHARES``, and that loss."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
     books, rho = fitted_books(model, blocks, full, windows)
+    weightings = {"the spectra's energies": None}
+    sensitivities = latent_sensitivities(model, blocks, full, _coded_sides(full), windows)
+    if sensitivities is not None:
+        weightings["the loss's sensitivities"] = sensitivities
     best = None
-    for share in KEY_SHARES:
-        plan = vector_plan(full, inputs, options, books, rho, share)
+    for (name, weights), share in itertools.product(weightings.items(), KEY_SHARES):
+        plan = vector_plan(full, inputs, options, books, rho, share, weights)
         loss = held_out_loss(model, blocks, plan)
+        log.info("vector codes, channels weighed by %s, keys' share %.2f: held-out loss %.4f",
+                 name, share, loss)
         if best is None or loss < best[0]:
             best = (loss, plan)
     loss, plan = best

@@ -39,3 +39,29 @@ def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch
         vector_bits.fitted_books(None, [], replace(full, layers=moved), None)
     assert len(fits) == 2
     assert any("not those the cached codebooks" in r.getMessage() for r in caplog.records)
+
+
+def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
+    """The same books and errors, the weight of one layer's channels ×1000 then the other's:
+    the heavier layer's latents get more bits each time, within the same budget."""
+    inputs = random_layers(0, n_layers=2)
+    full = plan_layers(inputs, PlanOptions(1.0, "uniform", "reconstruct"))
+    gen = torch.Generator().manual_seed(0)
+    sides = vector_bits._coded_sides(full)
+    samples = {side: torch.randn(400, 16, generator=gen) for side in sides}
+    books = vector_bits.fit_books(samples, widths=(1, 2, 4), iters=2)
+    rho = vector_bits.coding_errors(samples, books)
+    options = replace(full.options, bits_per_value=3.0)
+
+    def bits(heavy: int) -> dict:
+        weights = {side: torch.ones(16, dtype=torch.float64) * (1000 if side[0] == heavy else 1)
+                   for side in sides}
+        plan = vector_bits.vector_plan(full, inputs, options, books, rho, 0.5, weights)
+        assert plan.bits_per_value <= 3.0 + 1e-9
+        return {(l.layer, s): getattr(l, f"{s}_book").spec.bits_per_token()
+                if getattr(l, f"{s}_book") is not None else 0.0
+                for l in plan.layers for s in ("k", "v")}
+
+    first, second = bits(0), bits(1)
+    for side in ("k", "v"):
+        assert first[0, side] > first[1, side] and second[1, side] > second[0, side]

@@ -1,0 +1,96 @@
+"""The loss's sensitivity to each cached latent channel (``plan.sensitivity``) on a tiny
+random llama: against autograd through the latent itself, and the latents the cache holds."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lorc_fx.analysis import analyze
+from lorc_fx.api import compress
+from lorc_fx.plan.sensitivity import latent_sensitivities
+from lorc_fx.search.vector_bits import _coded_sides, calibration_latents
+from helpers.families import VOCAB, build, config_for
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(config_for("llama", heads=4, kv_heads=2, layers=2))
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(3, VOCAB, (4, 24), generator=torch.Generator().manual_seed(0))
+
+
+def oblique(plan, seed=0):
+    """``plan`` with every basis mixed by an invertible ``A`` (``P → A·P``, ``B → A⁻ᵀ·B``):
+    the same keys and values from other latents, so the gradient must be carried by ``B``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def mix(basis, rebuild):
+        a = torch.eye(len(basis), dtype=basis.dtype) + 0.3 * torch.randn(
+            len(basis), len(basis), generator=gen, dtype=basis.dtype) / len(basis) ** 0.5
+        return a @ basis, torch.linalg.inv(a).T @ rebuild
+
+    layers = []
+    for l in plan.layers:
+        (kp, kb), (vp, vb) = mix(l.k_basis, l.k_rebuild), mix(l.v_basis, l.v_rebuild)
+        layers.append(replace(l, k_basis=kp, k_rebuild=kb, v_basis=vp, v_rebuild=vb))
+    return replace(plan, layers=layers)
+
+
+def autograd_fisher(model, blocks, plan, windows):
+    """E[(∂L/∂z_c)²] over ``windows`` (first tokens left out), the latent made a leaf of the
+    graph: each projection's output replaced by ``Bᵀ·z`` of its own ``z = P·output``."""
+    layer = {l.layer: l for l in plan.layers}
+    latents, handles = {}, []
+    for b in blocks:
+        for side in ("k", "v"):
+            basis = getattr(layer[b.layer], f"{side}_basis").float()
+            rebuild = getattr(layer[b.layer], f"{side}_rebuild").float()
+
+            def hook(module, args, out, key=(b.layer, side), basis=basis, rebuild=rebuild):
+                latents[key] = (out.detach() @ basis.T).requires_grad_(True)
+                return latents[key] @ rebuild
+            module = model.get_submodule(getattr(b, side).weight.rsplit(".", 1)[0])
+            handles.append(module.register_forward_hook(hook))
+    sums, tokens = {}, 0
+    try:
+        for batch in windows.split(2):
+            logits = model(batch, use_cache=False).logits[:, :-1]
+            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                              batch[:, 1:].reshape(-1), reduction="sum").backward()
+            for key, z in latents.items():
+                sums[key] = sums.get(key, 0) + (z.grad[:, 1:].double() ** 2).sum((0, 1))
+            tokens += batch[:, 1:].numel()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return {key: s / tokens for key, s in sums.items()}
+
+
+def test_sensitivities_are_fisher_times_the_cached_latents_power(model, windows):
+    blocks = analyze(model)
+    plan = oblique(compress(model, 1.0, schedule="uniform", basis="weight",
+                            rope="reconstruct").plan)
+    sides = _coded_sides(plan)
+    got = latent_sensitivities(model, blocks, plan, sides, windows)
+    fisher = autograd_fisher(model, blocks, plan, windows)
+    cached = calibration_latents(model, blocks, plan, windows)  # keys before RoPE, sinks out
+    assert set(got) == set(sides) == set(cached)
+    for side in sides:
+        power = (cached[side].double() ** 2).mean(0)
+        torch.testing.assert_close(got[side], fisher[side] * power, rtol=1e-3, atol=1e-12)
+        assert (got[side] > 0).all()
+    assert all(p.requires_grad for p in model.parameters())  # left as it found them
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_keys_cached_after_rope_have_no_sensitivity(model, windows):
+    """Commuted keys are cached after RoPE: not a linear image of the projection's rows."""
+    blocks = analyze(model)
+    plan = compress(model, 1.0, schedule="uniform", basis="weight", rope="commute").plan
+    assert latent_sensitivities(model, blocks, plan, _coded_sides(plan), windows) is None
+    values = [s for s in _coded_sides(plan) if s[1] == "v"]
+    assert set(latent_sensitivities(model, blocks, plan, values, windows)) == set(values)
