@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.analysis.records import AttentionBlock, Projection
 from .calibration import owner_module
 from .planner import LayerPlan, Plan
 
@@ -37,7 +37,7 @@ def _linear_in_projection(block: AttentionBlock, layer: LayerPlan, side: str) ->
     return block.k_path == "none" or (block.k_path == "rope" and layer.k_latent_of == "pre_rope")
 
 
-def _rows(out: torch.Tensor, projection) -> torch.Tensor:
+def _rows(out: torch.Tensor, projection: Projection) -> torch.Tensor:
     """A projection's output ``(batch, n, out)`` as its rows' ``(batch·(n-1), rows)`` float64,
     each window's first token left out."""
     rows = torch.tensor(projection.row_index(), device=out.device)
@@ -56,15 +56,19 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
         return None
     projection = {(l, s): getattr(block[l], s) for l, s in sides}
     outputs: dict[str, torch.Tensor] = {}
+    shifts: dict[str, torch.Tensor] = {}
 
-    def keep_output(name):
-        def hook(module, args, out):  # the output as a leaf: its gradient is all we need
-            outputs[name] = out.detach().requires_grad_(True)
-            return outputs[name]
+    def add_zero_leaf(name):
+        def hook(module, args, out):
+            # a zero added as a leaf: its gradient is the loss's total derivative by the
+            # output, through every later layer (cutting the output from its inputs instead
+            # would drop the paths from earlier layers through this one)
+            outputs[name], shifts[name] = out.detach(), torch.zeros_like(out, requires_grad=True)
+            return out + shifts[name]
         return hook
 
     owners = sorted({owner_module(p.weight) for p in projection.values()})
-    handles = [model.get_submodule(m).register_forward_hook(keep_output(m)) for m in owners]
+    handles = [model.get_submodule(m).register_forward_hook(add_zero_leaf(m)) for m in owners]
     needs_grad = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
     device = next(model.parameters()).device
@@ -81,15 +85,17 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
                                                   batch[:, 1:].reshape(-1),
                                                   reduction="sum").backward()
             for (l, s), proj in projection.items():
-                out = outputs[owner_module(proj.weight)]
+                name = owner_module(proj.weight)
+                out, grad = outputs[name], shifts[name].grad
                 basis, rebuild = (getattr(layer[l], f"{s}_{m}").to(out.device)
                                   for m in ("basis", "rebuild"))
-                z = _rows(out.detach(), proj) @ basis.T
-                dz = _rows(out.grad, proj) @ rebuild.T
+                z = _rows(out, proj) @ basis.T
+                dz = _rows(grad, proj) @ rebuild.T
                 fisher[l, s] = fisher[l, s] + (dz ** 2).sum(0).cpu()
                 power[l, s] = power[l, s] + (z ** 2).sum(0).cpu()
             tokens += batch[:, 1:].numel()
             outputs.clear()
+            shifts.clear()
     finally:
         for h in handles:
             h.remove()

@@ -40,8 +40,9 @@ def oblique(plan, seed=0):
 
 
 def autograd_fisher(model, blocks, plan, windows):
-    """E[(∂L/∂z_c)²] over ``windows`` (first tokens left out), the latent made a leaf of the
-    graph: each projection's output replaced by ``Bᵀ·z`` of its own ``z = P·output``."""
+    """E[(∂L/∂z_c)²] over ``windows`` (first tokens left out), by autograd through the latent:
+    each projection's output replaced by ``Bᵀ·z`` of its own ``z = P·output``, ``z`` kept in
+    the graph (the weights need their gradients: the whole graph is built)."""
     layer = {l.layer: l for l in plan.layers}
     latents, handles = {}, []
     for b in blocks:
@@ -50,7 +51,8 @@ def autograd_fisher(model, blocks, plan, windows):
             rebuild = getattr(layer[b.layer], f"{side}_rebuild").float()
 
             def hook(module, args, out, key=(b.layer, side), basis=basis, rebuild=rebuild):
-                latents[key] = (out.detach() @ basis.T).requires_grad_(True)
+                latents[key] = out @ basis.T
+                latents[key].retain_grad()
                 return latents[key] @ rebuild
             module = model.get_submodule(getattr(b, side).weight.rsplit(".", 1)[0])
             handles.append(module.register_forward_hook(hook))
@@ -76,6 +78,7 @@ def test_sensitivities_are_fisher_times_the_cached_latents_power(model, windows)
                             rope="reconstruct").plan)
     sides = _coded_sides(plan)
     got = latent_sensitivities(model, blocks, plan, sides, windows)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # as it was
     fisher = autograd_fisher(model, blocks, plan, windows)
     cached = calibration_latents(model, blocks, plan, windows)  # keys before RoPE, sinks out
     assert set(got) == set(sides) == set(cached)
@@ -83,8 +86,6 @@ def test_sensitivities_are_fisher_times_the_cached_latents_power(model, windows)
         power = (cached[side].double() ** 2).mean(0)
         torch.testing.assert_close(got[side], fisher[side] * power, rtol=1e-3, atol=1e-12)
         assert (got[side] > 0).all()
-    assert all(p.requires_grad for p in model.parameters())  # left as it found them
-    assert all(p.grad is None for p in model.parameters())
 
 
 def test_keys_cached_after_rope_have_no_sensitivity(model, windows):
