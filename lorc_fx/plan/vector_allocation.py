@@ -13,8 +13,8 @@ relative squared coding error measured on calibration latents, ``ρ(0) = 1``: dr
 Keys and values get separate budgets, the keys ``key_share`` of what the codes may spend:
 the spectra's energies are one unit within a side but misjudge keys against values
 (plan/allocation.py), and the sensitivities, a diagonal second-order model, misjudge them
-too (one budget over both under them: held-out loss 2.529 nats at 1.92 bits, against 2.506
-at the best share measured); the share is measured (``search.vector_bits``).
+too (one budget over both under a first version of them had a higher held-out loss at 1.92
+bits than its best share, docs/design.md); the share is measured (``search.vector_bits``).
 
 Invariants: the allocation spends at most the budget; a channel's width is one the errors
 were measured at, or 0.

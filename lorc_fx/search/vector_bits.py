@@ -14,10 +14,11 @@ get (``KEY_SHARES``), are chosen together by the held-out calibration loss.
 
 Why these constants (bench/results/bit_waterfill-cpu.md, fake-quantized on news, Austen and
 poems with the share chosen on the planner's held-out windows): tuples of 16 channels and
-half-bit widths gave the least loss at 2.56 and 1.92 bits per value. The shares: 0.35-0.45
-bracketed the best under the energies; under the sensitivities at 1.92 bits 0.35 had the
-least held-out loss (2.506 nats; 0.30: 2.526, 0.40: 2.521, 0.45: 2.532). Neither weighting wins everywhere: on the default model the sensitivities had
-the lower held-out loss at 1.92 and 2.56 bits, the energies at 3 (bench/results/bits_pareto-cpu.md).
+half-bit widths gave the least loss at 2.56 and 1.92 bits per value. The shares bracket the
+best found under either weighting (0.35-0.45 under the energies, 0.40-0.45 under the
+sensitivities at 1.92-3 bits, in the run behind bench/results/bits_pareto-cpu.md, which
+logs each at INFO); the sensitivities had the lower held-out loss there, by 0.002-0.007
+nats, small enough that the energies stay a candidate.
 """
 from __future__ import annotations
 
