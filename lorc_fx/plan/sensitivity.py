@@ -10,12 +10,14 @@ it by ``½ Σ_c F_c·E[z_c²]·ρ_c``. So ``F_c·E[z_c²]`` is the weight of cha
 relative error; it does not change when a channel is scaled.
 
 Measured on the uncompressed model: one forward and backward per batch of calibration
-windows, the gradients taken at the K and V projections' outputs and carried into the latent
-by the basis' rebuild rows (keys ≈ Bᵀ·z, so ∂L/∂z = B·∂L/∂keys). That holds where the cached
-latent is a linear image of the projection's rows: values, keys without RoPE and keys cached
-before RoPE. A side whose latent is not (keys behind a norm, keys cached after RoPE) has
-none: :func:`latent_sensitivities` returns ``None`` and the caller keeps the energies.
-Each window's first token (the sink, never coded) is left out.
+windows, the gradients taken at the K and V projections' outputs (the loss's total
+derivative, through every later layer; the weights need none and get none, and are left as
+they were) and carried into the latent by the basis' rebuild rows (keys ≈ Bᵀ·z, so
+∂L/∂z = B·∂L/∂keys). That holds where the cached latent is a linear image of the
+projection's rows: values, keys without RoPE and keys cached before RoPE. A side whose
+latent is not (keys behind a norm, keys cached after RoPE) has none:
+:func:`latent_sensitivities` returns ``None`` and the caller keeps the energies. Each
+window's first token (the sink, never coded) is left out.
 """
 from __future__ import annotations
 

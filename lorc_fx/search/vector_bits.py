@@ -41,7 +41,7 @@ from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
                                   value_energies)
 from lorc_fx.plan.schedules import UnreachableFraction
-from lorc_fx.plan.sensitivity import latent_sensitivities
+from lorc_fx.plan.sensitivity import Side, latent_sensitivities
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.split import held_out_loss
 from lorc_fx.search.windows import through_cache
@@ -56,7 +56,6 @@ _FORMAT = 3  # bump when what fitted_books computes changes (2: the coding error
 BASES_ATOL = 1e-6  # bases this close to those the books were fitted under reuse them: the same
 # calibration at another thread count moved the default model's by at most 4e-12
 
-Side = tuple[int, str]  # (layer, "k" or "v")
 Books = dict[Side, dict[float, VectorBook]]
 
 log = logging.getLogger(__name__)
