@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lorc_fx.analysis.records import AttentionBlock, Projection
+from lorc_fx.analysis.records import AttentionBlock
 from .calibration import owner_module
 from .planner import LayerPlan, Plan
 
@@ -39,10 +39,9 @@ def _linear_in_projection(block: AttentionBlock, layer: LayerPlan, side: str) ->
     return block.k_path == "none" or (block.k_path == "rope" and layer.k_latent_of == "pre_rope")
 
 
-def _rows(out: torch.Tensor, projection: Projection) -> torch.Tensor:
-    """A projection's output ``(batch, n, out)`` as its rows' ``(batch·(n-1), rows)`` float64,
-    each window's first token left out."""
-    rows = torch.tensor(projection.row_index(), device=out.device)
+def _rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A projection's output ``(batch, n, out)`` at ``rows`` as ``(batch·(n-1), rows)``
+    float64, each window's first token left out."""
     return out[:, 1:].index_select(-1, rows).reshape(-1, len(rows)).double()
 
 
@@ -56,7 +55,12 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
     layer = {l.layer: l for l in full.layers}
     if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):
         return None
-    projection = {(l, s): getattr(block[l], s) for l, s in sides}
+    device = next(model.parameters()).device
+    # per side: the module whose output holds it, its rows there, P and B (read once)
+    reads = {(l, s): (owner_module(getattr(block[l], s).weight),
+                      torch.tensor(getattr(block[l], s).row_index(), device=device),
+                      getattr(layer[l], f"{s}_basis").to(device),
+                      getattr(layer[l], f"{s}_rebuild").to(device)) for l, s in sides}
     outputs: dict[str, torch.Tensor] = {}
     shifts: dict[str, torch.Tensor] = {}
 
@@ -69,11 +73,10 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
             return out + shifts[name]
         return hook
 
-    owners = sorted({owner_module(p.weight) for p in projection.values()})
+    owners = sorted({name for name, *_ in reads.values()})
     handles = [model.get_submodule(m).register_forward_hook(add_zero_leaf(m)) for m in owners]
     needs_grad = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
-    device = next(model.parameters()).device
     fisher = {s: 0.0 for s in sides}
     power = {s: 0.0 for s in sides}
     tokens = 0
@@ -86,15 +89,11 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
                 torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                   batch[:, 1:].reshape(-1),
                                                   reduction="sum").backward()
-            for (l, s), proj in projection.items():
-                name = owner_module(proj.weight)
-                out, grad = outputs[name], shifts[name].grad
-                basis, rebuild = (getattr(layer[l], f"{s}_{m}").to(out.device)
-                                  for m in ("basis", "rebuild"))
-                z = _rows(out, proj) @ basis.T
-                dz = _rows(grad, proj) @ rebuild.T
-                fisher[l, s] = fisher[l, s] + (dz ** 2).sum(0).cpu()
-                power[l, s] = power[l, s] + (z ** 2).sum(0).cpu()
+            for side, (name, rows, basis, rebuild) in reads.items():
+                z = _rows(outputs[name], rows) @ basis.T
+                dz = _rows(shifts[name].grad, rows) @ rebuild.T
+                fisher[side] = fisher[side] + (dz ** 2).sum(0).cpu()
+                power[side] = power[side] + (z ** 2).sum(0).cpu()
             tokens += batch[:, 1:].numel()
             outputs.clear()
             shifts.clear()

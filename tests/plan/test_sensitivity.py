@@ -7,6 +7,7 @@ import torch
 
 from lorc_fx.analysis import analyze
 from lorc_fx.api import compress
+from lorc_fx.plan.calibration import owner_module
 from lorc_fx.plan.sensitivity import latent_sensitivities
 from lorc_fx.search.vector_bits import _coded_sides, calibration_latents
 from helpers.families import VOCAB, build, config_for
@@ -54,7 +55,7 @@ def autograd_fisher(model, blocks, plan, windows):
                 latents[key] = out @ basis.T
                 latents[key].retain_grad()
                 return latents[key] @ rebuild
-            module = model.get_submodule(getattr(b, side).weight.rsplit(".", 1)[0])
+            module = model.get_submodule(owner_module(getattr(b, side).weight))
             handles.append(module.register_forward_hook(hook))
     sums, tokens = {}, 0
     try:
