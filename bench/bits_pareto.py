@@ -189,28 +189,7 @@ def main() -> None:
         start = time.perf_counter()
         report = lorc_fx.compress(model, bits_per_value=budget, blocks=blocks)
         plan = report.plan
-        o = plan.options
-        full, kept = plan.cache_elements_per_token()
-        group = f" G{o.latent_group}" if o.latent_bits != 16 else ""
-        if plan.kind == "plain":
-            choice = f"plain int{o.latent_bits}{group}"
-        elif plan.kind == "keys_waterfilled":
-            rows = plan.key_rows_per_width()
-            keys = " / ".join(f"{rows[b]}×{b}" for b in sorted(rows, reverse=True))
-            choice = (f"keys water-filled ({keys}-bit rows of "
-                      f"{sum(l.k_full for l in plan.layers)}, G{plan.layers[0].k_group}), "
-                      f"int{o.latent_bits} values{group}, {o.rope}")
-        elif plan.kind == "vector":
-            widths: dict[float, int] = {}
-            for l in plan.layers:
-                for book in (l.k_book, l.v_book):
-                    for count, bits in (book.spec.runs if book is not None else ()):
-                        widths[bits] = widths.get(bits, 0) + count
-            choice = (f"vector codes ({' / '.join(f'{widths[b]}×{b:g}' for b in sorted(widths, reverse=True))}"
-                      f"-bit channels of {full}), {o.rope}")
-        else:
-            choice = (f"low rank ({kept / full:.2f} of the width), {o.latent_bits}-bit latents"
-                      f"{group}, {o.rope}")
+        choice = plan.scheme.summary(plan)
         row = {"method": method, "budget": budget, "choice": choice,
                "bits_per_value": plan.bits_per_value, "candidates": plan.candidates,
                "plan_seconds": time.perf_counter() - start, "ratio": {}}

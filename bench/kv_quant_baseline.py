@@ -59,7 +59,7 @@ from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
 import lorc_fx  # noqa: E402
 from lorc_fx.eval.evaluate import evaluation_windows, score_windows  # noqa: E402
 
-from lorc_fx.cache.quantize import QuantSpec, dequantize, quantize  # noqa: E402
+from lorc_fx.codes.integer import QuantSpec, dequantize, quantize  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STEM = "kv_quant_baseline-cpu"

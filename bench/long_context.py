@@ -239,7 +239,7 @@ def worker(args) -> dict:
                                   latent_bits=int(bits) if bits else "auto")
         full_bpt, kept_bpt = report.cache_bytes_per_token()
         plan = report.plan
-        record.update(fraction=args.fraction, rope=plan.options.rope, kind=plan.kind,
+        record.update(fraction=args.fraction, rope=plan.options.rope, kind=plan.scheme.name,
                       latent_bits=plan.options.latent_bits,
                       plan_cache_fraction=report.plan.cache_fraction,
                       plan_bytes_per_token={"full": full_bpt, "compressed": kept_bpt})

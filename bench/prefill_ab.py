@@ -80,7 +80,7 @@ def main() -> None:
               flush=True)
 
     record = {"context": args.context, "batch": args.batch, "fraction": args.fraction,
-              "kind": report.plan.kind, "latent_bits": report.plan.options.latent_bits,
+              "kind": report.plan.scheme.name, "latent_bits": report.plan.options.latent_bits,
               "threads": torch.get_num_threads(), "machine": platform.machine(),
               "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(), "times_s": times,
               "fastest_ratio": min(times["full"]) / min(times["lorc"]),

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lorc_fx.cache.latent_ops import dequantize_codes_math  # noqa: E402
-from lorc_fx.cache.quantize import QuantSpec, quantize  # noqa: E402
+from lorc_fx.codes.integer import QuantSpec, quantize  # noqa: E402
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention  # noqa: E402
 from lorc_fx.compile.quantized_attention import (quantized_kv_attention,  # noqa: E402
                                                  quantized_latent_attention,

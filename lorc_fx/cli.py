@@ -6,7 +6,9 @@ import json
 import sys
 import time
 
-from lorc_fx.plan.options import CalibrationOptions
+from dataclasses import MISSING, fields
+
+from lorc_fx.plan.options import BUDGET_FIELDS, CalibrationOptions, PlanOptions
 
 _SHOW_DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
 
@@ -17,112 +19,60 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "directory, or a .gguf file")
 
 
-def _add_plan_options(p: argparse.ArgumentParser, fraction: bool = True,
-                      choice: bool = True) -> None:
-    if fraction:
-        budget = p.add_mutually_exclusive_group()
-        budget.add_argument("--cache-fraction", type=float, default=None,
-                            help="kept K+V cache bytes / full K+V cache bytes in the model's "
-                                 "dtype, in (0, 1]; None: 0.6, or what --max-ppl-increase or "
-                                 "--bits-per-value says")
-        budget.add_argument("--bits-per-value", type=float, default=None,
-                            help="instead of --cache-fraction: the budget in bits per cached "
-                                 "K/V value, in [0.5, 16], every stored float counted at 16 "
-                                 "bits (16: an uncompressed 16-bit cache)")
-        budget.add_argument("--max-ppl-increase", type=float, default=None,
-                            help="instead of --cache-fraction: the smallest fraction (steps of "
-                                 "0.05) whose perplexity on held-out calibration text is at "
-                                 "most 1 + this times the full cache's, e.g. 0.02 (a plan per "
-                                 "fraction tried)")
-    if choice:
-        p.add_argument("--schedule", default="calibrated",
-                       help="how ranks are spread over layers: calibrated (key/value split "
-                            "measured on calibration text) | greedy | progressive (the "
-                            "paper) | uniform")
-        p.add_argument("--basis", default="auto",
-                       help="auto (attention-aware, calibrated; weight only where the model "
-                            "has no BOS/EOS token to sample from) | attention | whitened | "
-                            "norm | weight (the paper)")
-    p.add_argument("--rope", default="auto",
-                   help="auto (both modes where the model hands attention its RoPE angles, "
-                        "the better on calibration text) | reconstruct (cache keys before "
-                        "RoPE, plus the angles) | commute (cache keys after it)")
-    p.add_argument("--objective", default="quality",
-                   help="what --rope auto optimises: quality (held-out loss) | speed (only "
-                        "commute, whose keys decode reads without rebuilding them; reconstruct "
-                        "rebuilds them every step, so decodes slower at long context)")
-    p.add_argument("--skip-threshold", type=float, default=None,
-                   help="layers whose cumulative condition number exceeds this stay full")
-    p.add_argument("--keep-first", type=int, default=0, help="the first N layers stay full")
-    p.add_argument("--rank-multiple", type=int, default=8,
-                   help="every kept rank is a multiple of this (or the full width)")
-    p.add_argument("--key-fraction", type=float, default=None,
-                   help="calibrated schedule: keys' kept ratio in [0, 1]; None: measured")
-    p.add_argument("--latent-bits", type=_latent_bits, default=None,
-                   help="auto (default): measure plain 8- and 4-bit KV quantization, then "
-                        "keys water-filled over 8/4/3-bit latent rows beside plain 4-bit "
-                        "values, then 16-, 8- and 4-bit latents at the rank that fills the "
-                        "budget, and keep "
-                        "the least held-out loss (a plain candidate within 0.002 nats of the "
-                        "full cache ends the search); 16, 8 or 4: latents stored that way "
-                        "(per channel over groups of --latent-group tokens). With --basis "
-                        "weight or norm (no calibration) auto is 16 unless the budget is "
-                        "--bits-per-value")
-    p.add_argument("--latent-group", type=int, default=None,
-                   help="tokens per quantization group of a latent channel; default: 32, "
-                        "and with --latent-bits auto both 32 and 64 are measured")
-    p.add_argument("--shards", type=int, default=None,
-                   help="bases block-diagonal over this many equal groups of KV heads, the "
-                        "same rank in each (what a tensor-parallel model is cached by); "
-                        "default: the model's tensor-parallel split (--tp), else 1")
-    default = CalibrationOptions()
-    p.add_argument("--calibration-text", default=",".join(default.texts),
-                   help="comma-separated texts the data-aware bases calibrate on: self (text "
-                        "sampled from the model itself, cached), news, austen, pydoc, code, "
-                        "poems, or paths, of which only every 4th paragraph is read; a "
-                        "missing text becomes self")
-    p.add_argument("--calibration-tokens", type=int, default=default.tokens,
-                   help="calibration tokens, in windows of --calibration-window")
-    p.add_argument("--calibration-window", type=int, default=default.window,
-                   help="tokens per calibration window (per sampled sequence for self)")
-    p.add_argument("--calibration-seed", type=int, default=default.seed,
-                   help="seed of the calibration windows drawn (or sampled)")
+def _add_plan_options(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """A flag for every field of ``PlanOptions`` (and of its ``CalibrationOptions``, as
+    ``--calibration-*``) but ``skip``, from the fields' metadata; the budgets exclusive."""
+    budget = (p.add_mutually_exclusive_group() if set(BUDGET_FIELDS) - set(skip) else None)
+    for f in fields(PlanOptions):
+        if f.name in skip:
+            continue
+        if f.name == "calibration":
+            for inner in fields(CalibrationOptions):
+                _add_flag(p, inner, "calibration_")
+        else:
+            _add_flag(budget if f.name in BUDGET_FIELDS else p, f)
 
 
-def _latent_bits(text: str) -> int | str:
-    """``--latent-bits``: an integer or ``auto`` (the range is checked with the options)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be 16, 8, 4 or auto, got {text!r}") from None
+def _add_flag(group, f, prefix: str = "") -> None:
+    """The flag of option field ``f`` (none where its help is empty), absent from the parsed
+    arguments unless given (``plan_options`` then keeps the field's default)."""
+    meta = f.metadata
+    if not meta.get("help"):
+        return
+    default = f.default if f.default is not MISSING else f.default_factory()
+    parse = meta["parse"] or type(default)
+    shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+    help = meta["help"] + ("" if default is None else f" (default: {shown})")
+    flag = "--" + (prefix + (meta["flag"] or f.name)).replace("_", "-")
+    group.add_argument(flag, dest=prefix + f.name, type=_typed(parse), default=argparse.SUPPRESS,
+                       metavar=(meta["flag"] or f.name).upper(), help=help.replace("%", "%%"))
 
 
-def _plan_kwargs(args: argparse.Namespace) -> dict:
-    """The plan options the arguments ask for, checked (``ValueError`` naming the option)."""
-    from lorc_fx.api import check_budget, checked_options
+def _typed(parse):
+    """``parse`` with its ``ValueError`` said by argparse as it is."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
 
-    texts = tuple(t.strip() for t in args.calibration_text.split(",") if t.strip())
-    kwargs = dict(rope=args.rope, objective=args.objective, latent_bits=args.latent_bits,
-                  latent_group=args.latent_group, skip_threshold=args.skip_threshold,
-                  keep_first=args.keep_first, rank_multiple=args.rank_multiple,
-                  key_fraction=args.key_fraction,
-                  calibration=CalibrationOptions(texts=texts, tokens=args.calibration_tokens,
-                                                 seed=args.calibration_seed,
-                                                 window=args.calibration_window))
-    if getattr(args, "shards", None) is not None:
-        kwargs["shards"] = args.shards
-    if hasattr(args, "schedule"):
-        kwargs.update(schedule=args.schedule, basis=args.basis)
-    fraction = getattr(args, "cache_fraction", None)
-    bits = getattr(args, "bits_per_value", None)
-    checked_options(fraction, bits_per_value=bits, **kwargs)
-    if hasattr(args, "cache_fraction"):
-        check_budget(fraction, bits, args.max_ppl_increase)
-        kwargs.update(cache_fraction=fraction, bits_per_value=bits,
-                      max_ppl_increase=args.max_ppl_increase)
-    return kwargs
+
+def _given_options(args: argparse.Namespace) -> dict:
+    """The plan option flags given, by field (the calibration's gathered)."""
+    given = vars(args)
+    options = {f.name: given[f.name] for f in fields(PlanOptions) if f.name in given}
+    calibration = {f.name: given["calibration_" + f.name] for f in fields(CalibrationOptions)
+                   if "calibration_" + f.name in given}
+    if calibration:
+        options["calibration"] = CalibrationOptions(**calibration)
+    return options
+
+
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The plan options the flags ask for, checked once (``ValueError`` naming the option)."""
+    return PlanOptions(**_given_options(args))
 
 
 def _write_json(path: str, data) -> None:
@@ -136,11 +86,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from lorc_fx.data.models import load_model
     from lorc_fx.report import plan_table, plot_plan
 
-    kwargs = _plan_kwargs(args)
+    options = plan_options(args)
     start = time.perf_counter()
     model = load_model(args.model)
     loaded = time.perf_counter()
-    result = plan(model, **kwargs)
+    result = plan(model, options=options)
     print(plan_table(result))
     print(f"model load {loaded - start:.1f} s, plan {time.perf_counter() - loaded:.1f} s")
     if args.json:
@@ -194,26 +144,27 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from lorc_fx.data.models import load_model, load_tokenizer
     from lorc_fx.data.texts import load_text
 
-    kwargs = _plan_kwargs(args)
-    if args.plan and kwargs != _plan_kwargs(build_parser().parse_args(["eval"])):
-        raise ValueError("--plan installs a saved plan as it is; drop the plan options "
-                         "(--cache-fraction, --schedule, --basis, --rope, ...)")
-    options = EvalOptions(text=args.text, tokens=args.tokens, window=args.window,
+    if args.plan and _given_options(args):
+        raise ValueError("--plan installs a saved plan as it is; drop the plan options ("
+                         + ", ".join(f"--{n.replace('_', '-')}" for n in _given_options(args))
+                         + ")")
+    options = plan_options(args)
+    scoring = EvalOptions(text=args.text, tokens=args.tokens, window=args.window,
                           prompts=args.prompts, new_tokens=args.new_tokens, compile=args.compile)
     lead = _tensor_parallel() if args.tp else True  # only one process prints and writes
     text = load_text(args.text)
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
-    evaluation_inputs(tokenizer, text, options)  # a text too short fails before the model loads
+    evaluation_inputs(tokenizer, text, scoring)  # a text too short fails before the model loads
     model = load_model(args.model, tp_plan="auto" if args.tp else None)
     blocks = analyze(model)
     loaded = time.perf_counter()
     report = (compress(model, blocks=blocks, plan=args.plan) if args.plan
-              else compress(model, blocks=blocks, **kwargs))
+              else compress(model, blocks=blocks, options=options))
     if report.plan is None:
         raise ValueError(report.left_alone)
     planned = time.perf_counter()
-    result = evaluate(model, tokenizer, text, options)
+    result = evaluate(model, tokenizer, text, scoring)
     full_bytes, kept_bytes = report.cache_bytes_per_token()
     out = {
         "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
@@ -236,7 +187,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         shard_full, shard_kept = report.cache_bytes_per_token_per_shard()
         out["cache_bytes_per_token_per_shard_full"] = shard_full
         out["cache_bytes_per_token_per_shard_compressed"] = shard_kept
-        print(f"tensor parallel over {report.plan.options.shards} processes: each caches "
+        print(f"tensor parallel over {report.plan.shards} processes: each caches "
               f"{shard_kept:g}/{shard_full} bytes per token (its own KV heads' share of the "
               "cache)")
     g = result.generation
@@ -271,13 +222,13 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from lorc_fx.eval.sweep import parse_configs, plot_sweep, run_sweep
     from lorc_fx.data.texts import load_text
 
-    kwargs = _plan_kwargs(args)
+    options = plan_options(args)
     fractions = _fractions(args.fractions)
     configs = parse_configs(args.configs)
     texts = {name: load_text(name) for name in args.texts.split(",")}
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
     result = run_sweep(model, tokenizer, analyze(model), texts, fractions, configs,
-                       args.tokens, args.window, kwargs, checkpoint=args.json)
+                       args.tokens, args.window, options, checkpoint=args.json)
     result["machine"] = _machine()
     for row in result["rows"]:
         cells = (" ".join(f"{t} {row['ppl'][t]:8.2f} (x{row['ratio'][t]:.3f}, KL "
@@ -308,7 +259,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
     from lorc_fx.data.models import load_model, load_tokenizer, user_cache_dir
     from lorc_fx.data.texts import load_text
 
-    kwargs = _plan_kwargs(args)
+    options = plan_options(args)
     _harness_settings(args)
     from lorc_fx.eval.harness import METRICS, documents, harness_scores, write_task
 
@@ -327,7 +278,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
     model = load_model(args.model)
     options = dict(max_length=args.max_length, batch_size=args.batch_size)
     full = harness_scores(model, tokenizer, task, task_dir, compressed=False, **options)
-    report = compress(model, blocks=analyze(model), **kwargs)
+    report = compress(model, blocks=analyze(model), options=options)
     if report.plan is None:
         raise ValueError(report.left_alone)
     compressed = harness_scores(model, tokenizer, task, task_dir, compressed=True, **options)
@@ -350,9 +301,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from lorc_fx.eval.demo import run_demo
 
-    kwargs = _plan_kwargs(args)
-    run_demo(kwargs.pop("cache_fraction"), args.out, kwargs, tokens=args.tokens,
-             new_tokens=args.new_tokens, compile_speed=not args.no_compile)
+    run_demo(plan_options(args), args.out, tokens=args.tokens, new_tokens=args.new_tokens,
+             compile_speed=not args.no_compile)
 
 
 def cmd_fetch_austen(args: argparse.Namespace) -> None:
@@ -372,12 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=_SHOW_DEFAULTS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="per-layer LoRC ranks for a cache fraction",
+    p = sub.add_parser("plan", help="how the cache is stored for a budget",
                        formatter_class=_SHOW_DEFAULTS,
-                       description="Per-layer ranks for a cache fraction, with the defaults "
-                                   "of compress, eval and demo (calibrated schedule, "
-                                   "attention-aware basis); the paper's plan is "
-                                   "--schedule progressive --basis weight.")
+                       description="The storage scheme and its layout for a budget (the "
+                                   "candidates measured, the per-layer ranks), with the "
+                                   "defaults of compress, eval and demo; the paper's plan is "
+                                   "--latent-bits 16 --schedule progressive --basis weight.")
     _add_model(p)
     _add_plan_options(p)
     p.add_argument("--json", help="write the plan as JSON")
@@ -420,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "fractions and plan options",
                        formatter_class=_SHOW_DEFAULTS)
     _add_model(p)
-    _add_plan_options(p, fraction=False, choice=False)
+    _add_plan_options(p, skip=(*BUDGET_FIELDS, "schedule", "basis"))
     p.add_argument("--fractions", default="0.8,0.7,0.6,0.5",
                    help="comma-separated cache fractions in (0, 1]")
     p.add_argument("--configs", default="weight:progressive,weight:uniform,whitened:uniform,"

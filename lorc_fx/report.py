@@ -13,106 +13,35 @@ from lorc_fx.plan.planner import Plan
 
 
 def plan_table(plan: Plan) -> str:
-    o = plan.options
-    if plan.kind == "plain":  # every layer full width: no rank table, one line says it all
-        kept = sum(l.skipped for l in plan.layers)
-        lines = [f"plain KV quantization of {len(plan.layers) - kept} attention layers"
-                 + (f" ({kept} kept as transformers builds them)" if kept else "")
-                 + f", no low rank: keys (after RoPE) and values stored as {o.latent_bits}-bit "
-                 f"codes, keys per channel over groups of {o.latent_group} tokens, values per "
-                 "token over groups of channels within each head (the last partial group of "
-                 "tokens in full precision)"]
-    else:
-        lines = _rank_table(plan)
-    lo, hi = plan.reachable
-    asked = (f"requested {o.bits_per_value:g} bits per value" if o.bits_per_value is not None
-             else f"requested {o.cache_fraction:.4f}")
-    how = ("plain KV quantization, no basis" if plan.kind == "plain"
-           else f"keys water-filled over code widths; basis={o.basis}, rope={o.rope}"
-           if plan.kind == "keys_waterfilled"
-           else f"vector codes; basis={o.basis}, rope={o.rope}" if plan.kind == "vector"
-           else f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, "
-                f"rope={o.rope}")
-    lines.append(
-        f"cache fraction: {plan.cache_fraction:.4f}, {plan.bits_per_value:.3f} bits per value "
-        f"({asked}; {how})")
-    if plan.kind != "plain":
+    """The plan in words: what its scheme stores (``Scheme.describe``), its size against the
+    budget asked, the basis, and the candidates measured."""
+    scheme = plan.scheme
+    lines = scheme.describe(plan)
+    lines.append(f"cache fraction: {plan.cache_fraction:.4f}, {plan.bits_per_value:.3f} bits per "
+                 f"value (requested {plan.budget.asked()}; {scheme.how(plan)})")
+    if not scheme.identity_bases:
         lines.append(f"basis: {basis_description(plan)}")
     if plan.fraction_search:
         lines.append(f"fraction: {fraction_description(plan.fraction_search)}")
-    if o.shards > 1 and plan.kind == "plain":
-        lines.append(f"split over {o.shards} shards of the KV heads: each quantizes and caches "
+    if plan.shards > 1 and scheme.identity_bases:
+        lines.append(f"split over {plan.shards} shards of the KV heads: each quantizes and caches "
                      "its own heads' keys and values")
-    elif o.shards > 1:
-        lines.append(f"bases block-diagonal over {o.shards} shards of the KV heads (ranks are "
-                     f"whole-layer figures: each shard keeps 1/{o.shards} of them, on its own heads)")
+    elif plan.shards > 1:
+        lines.append(f"bases block-diagonal over {plan.shards} shards of the KV heads (ranks are "
+                     f"whole-layer figures: each shard keeps 1/{plan.shards} of them, on its own "
+                     "heads)")
     if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):
         lines.append(
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
             "every decode step, so long-context decode gains less speed than the cache shrinks "
-            "(bench/results/long_context_lowrank-cpu.md); objective='speed' (--objective speed) caches "
-            "keys after RoPE instead")
-    if plan.kind == "keys_waterfilled":
-        lines.append(_waterfilled_description(plan))
-    elif plan.kind == "vector":
-        lines.append(_vector_description(plan))
-    elif plan.kind != "plain" and o.latent_bits != 16:
-        lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups of "
-                     f"{o.latent_group} tokens (the last partial group in full precision)")
+            "(bench/results/long_context_lowrank-cpu.md); objective='speed' (--objective speed) "
+            "caches keys after RoPE instead")
     if plan.candidates:
         lines.append("candidates measured (held-out calibration loss, best first; a loss within "
                      "0.002 of the uncompressed model's ends the search):")
         lines += [f"  {c['loss']:.4f}  {c['bits_per_value']:6.3f} bits/value  {c['candidate']}"
                   for c in plan.candidates]
     return "\n".join(lines)
-
-
-def _waterfilled_description(plan: Plan) -> str:
-    """The code widths of a keys_waterfilled plan, in words."""
-    rows = plan.key_rows_per_width()
-    full = sum(l.k_full for l in plan.layers if l.k_bit_runs)
-    widths = ", ".join(f"{rows[b]} at {b} bits" for b in sorted(rows, reverse=True))
-    groups = sorted({l.k_group for l in plan.layers if l.k_bit_runs})
-    o = plan.options
-    return (f"keys water-filled: each key latent row stored at the width its energy and measured "
-            f"rounding error buy, or dropped ({sum(rows.values())} of {full} rows kept: "
-            f"{widths}), per channel over groups of {'/'.join(map(str, groups))} tokens; values "
-            f"stored as {o.latent_bits}-bit codes per token over groups of channels within each "
-            "head, as plain KV quantization (the last partial group of tokens in full precision)")
-
-
-def _vector_description(plan: Plan) -> str:
-    """The code widths and tables of a vector plan, in words."""
-    channels: dict[float, int] = {}
-    table_bytes = 0
-    for l in plan.layers:
-        for book in (l.k_book, l.v_book):
-            if book is not None:
-                table_bytes += book.nbytes
-                for count, bits in book.spec.runs:
-                    channels[bits] = channels.get(bits, 0) + count
-    full = sum(l.k_full + l.v_full for l in plan.layers if not l.skipped)
-    widths = ", ".join(f"{channels[b]} at {b:g}" for b in sorted(channels, reverse=True))
-    return (f"vector codes: each latent channel at the bits a token its energy and measured coding "
-            f"error buy, or dropped ({sum(channels.values())} of {full} channels kept: {widths} "
-            "bits), in tuples of channels coded as indices into codebooks fitted on calibration "
-            f"latents (no scales); the codebooks take {table_bytes / 2**20:.1f} MiB, the "
-            "model's like its weights, not counted in bits per value; each sequence's first "
-            "token is kept in full precision (the attention sink), counted as if sequences "
-            "were 512 tokens; the last partial block of 8 tokens is kept in full precision")
-
-
-def _rank_table(plan: Plan) -> list[str]:
-    header = f"{'layer':>5} {'K rank':>9} {'V rank':>9} {'κ(W_k)':>10} {'κ(W_v)':>10} {'log κ̃':>8}  skipped"
-    lines = [header, "-" * len(header)]
-    for l in plan.layers:
-        lines.append(
-            f"{l.layer:>5} {l.k_rank:>4}/{l.k_full:<4} {l.v_rank:>4}/{l.v_full:<4} "
-            f"{l.kappa_k:>10.3g} {l.kappa_v:>10.3g} {l.log_kappa_cum:>8.2f}  "
-            f"{'yes' if l.skipped else 'no'}{'  ' + l.note if l.note else ''}"
-            + ("  key rows " + " ".join(f"{n}×{b}b" for n, b in l.k_bit_runs)
-               if l.k_bit_runs else ""))
-    return lines
 
 
 def basis_description(plan: Plan) -> str:
@@ -173,9 +102,9 @@ class CompressionReport:
 
     def cache_bytes_per_token(self) -> tuple[int, int | float]:
         """(full, compressed) cache bytes per token per sequence, all planned layers; in
-        ``reconstruct`` mode the compressed figure includes the RoPE angle log, with quantized
-        latents (``latent_bits < 16``) their scales and zero points (``Plan.cache_bytes_per_token``:
-        a float then, exact for whole groups of ``latent_group`` tokens)."""
+        ``reconstruct`` mode the compressed figure includes the RoPE angle log, with sides stored
+        as codes their scales and zero points or sinks (``Plan.cache_bytes_per_token``: a float
+        then, exact for whole groups of tokens)."""
         if self.plan is None:
             return 0, 0
         return self.plan.cache_bytes_per_token(self.dtype_bytes)
@@ -211,7 +140,7 @@ class CompressionReport:
             lines = [plan_table(self.plan),
                      f"cache bytes per token: {full} full, {kept:g} compressed "
                      f"({kept / full:.3f})"]
-            shards = self.plan.options.shards
+            shards = self.plan.shards
             if shards > 1:
                 shard_full, shard_kept = self.cache_bytes_per_token_per_shard()
                 lines.append(f"  per shard (each of {shards} tensor-parallel processes caches "

@@ -51,4 +51,4 @@ def test_compiled_generate_matches_eager_with_half_the_cache(model_and_tokenizer
         group = plan.options.latent_group
         whole = tokens // group * group
         expected = whole * plan.cache_bytes_per_token(4)[1] + (tokens - whole) * full / tokens
-        assert plan.kind == "plain" and cache.cache_bytes() == pytest.approx(expected, rel=1e-9)
+        assert plan.scheme.name == "plain" and cache.cache_bytes() == pytest.approx(expected, rel=1e-9)

@@ -94,13 +94,9 @@ def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
     plan (``_lorc_whole_plan``) to save."""
     model._lorc_whole_plan = plan
     model._lorc_plan = plan = process_plan(plan, blocks)
-    if plan.kind == "vector":
-        log.warning(
-            "this plan stores latents as vector codes: generate builds a dynamic cache (a "
-            "static one is refused) that decodes them eagerly, and torch.compile gives the same "
-            "tokens without speeding that up (dynamo breaks the graph at the codes and "
-            "recompiles as the window of uncoded tokens changes); the plan cannot be saved to "
-            "a plan file yet")
+    limits = plan.scheme.limits()
+    if limits:
+        log.warning("this plan stores the cache as %s: %s", plan.scheme.title, limits)
     for handle in getattr(model, "_lorc_hooks", []):
         handle.remove()
     model._lorc_hooks = _angle_hooks(model, blocks, plan)

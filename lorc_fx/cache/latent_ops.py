@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import QuantizedTensor, QuantSpec, SplitTensor
-from .quantize import dequantize as dequantize_math
+from lorc_fx.codes.integer import QuantizedTensor, QuantSpec, SplitTensor
+from lorc_fx.codes.integer import dequantize as dequantize_math
 from .rotary import rotate
 
 
@@ -77,7 +77,7 @@ def _(latent, basis, num_heads, cos, sin, style):
 def _quantized(payload, scale, zero, bits: int, group: int, axis: int, length: int,
                dtype: torch.dtype) -> QuantizedTensor:
     """The ``QuantizedTensor`` of a ``(b, h, length, d)`` cache side of ``dtype`` whose codes
-    are ``payload`` (``quantize.py``'s layout; ``axis`` -2 per channel, -1 per token)."""
+    are ``payload`` (``codes/integer.py``'s layout; ``axis`` -2 per channel, -1 per token)."""
     b, h = payload.shape[:2]
     if axis == -2:  # (b, h, d, groups, bytes)
         d = payload.shape[2]

@@ -1,4 +1,6 @@
-"""Cache layers that hold low-rank latents instead of keys and values.
+"""Cache layers that hold low-rank latents (or codes of them, or of the keys and values
+themselves) instead of keys and values: one class per allocation, dynamic or static, each
+side held by the store its code asks for (``stores``).
 
 ``update()`` stores ``P·k`` and ``P·v`` and returns their reconstructions ``Pᵀ·c``, so a
 model's own attention code runs unchanged in eager mode and Python keeps owning the
@@ -17,10 +19,11 @@ import torch
 from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from lorc_fx.plan.planner import LayerPlan
+from lorc_fx.plan.planner import Code, LayerPlan
 
 from .latent_ops import project, reconstruct, rotated_reconstruct
 from .rotary import RotaryLog, rotate
+from .stores import dynamic_store, settle_group, static_store
 
 
 @dataclass
@@ -86,91 +89,38 @@ class _RotaryLogOwner:
     repeating or selecting batch rows, resetting) is applied to the logged angles too, so a
     rebuilt key is always rotated by the angle of its own position."""
 
+    bases: LatentCodec
     logs_rotary: bool
 
     def _log(self) -> RotaryLog | None:
         return self.bases.rotary if self.logs_rotary else None
 
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)
-        if self._log() is not None:
-            self._log().crop(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        if self._log() is not None:
-            self._log().map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        if self._log() is not None:
-            self._log().map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        if self._log() is not None:
-            self._log().map(lambda t: t[indices, ...])
-
-    def reset(self) -> None:
-        super().reset()
-        if self._log() is not None:
-            self._log().reset()
-
-
-class StoresBesideWindow:
-    """Policy of a layer that holds per-row tensors besides ``keys`` / ``values`` (codes,
-    scales, sinks): every batch operation ``generate`` applies (reordering beams, repeating or
-    selecting rows) is applied to them too, through ``_map_stores(fn)``, ``fn`` an operation
-    on the batch axis 0. Offloading them is not supported."""
-
-    def _map_stores(self, fn) -> None:
-        raise NotImplementedError
-
-    def _kept_after_crop(self, tokens_to_remove: int) -> int | None:
-        """How many tokens ``crop(tokens_to_remove)`` keeps (``DynamicLayer.crop``'s
-        contract: a negative count); None where there is nothing to cut."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not "
-                             "supported: pass a negative number of tokens to remove")
-        length = self.get_seq_length()
-        if tokens_to_remove == 0 or length == 0:
-            return None
-        return max(length + tokens_to_remove, 0)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_stores(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_stores(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_stores(lambda t: t[indices, ...])
-
-    def offload(self):
-        raise NotImplementedError(f"offloading a {type(self).__name__} is not supported")
-
-    def prefetch(self):
-        raise NotImplementedError(f"offloading a {type(self).__name__} is not supported")
-
 
 class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
-    """A growing cache of latents (``(b, 1, n, r)``; the head axis keeps the seq axis at -2,
-    so masks, ``get_seq_length``, cropping and beam reordering work as for full keys)."""
+    """A growing cache of one layer: each side's window in ``keys`` / ``values`` (latents
+    ``(b, 1, n, r)``: the head axis keeps the seq axis at -2, so masks and
+    ``get_seq_length`` work as for full keys), the rest in the store of its code
+    (``k_store`` / ``v_store``). Every batch operation ``generate`` applies (cropping
+    rejected drafts, reordering beams, repeating or selecting rows, offloading) reaches the
+    windows, the stores and the RoPE angle log alike."""
 
-    def __init__(self, bases: LatentCodec, logs_rotary: bool = False):
+    def __init__(self, bases: LatentCodec, k_code: Code = None, v_code: Code = None,
+                 logs_rotary: bool = False):
         super().__init__()
-        self.bases, self.logs_rotary = bases, logs_rotary
+        self.bases, self.logs_rotary, self.codes = bases, logs_rotary, (k_code, v_code)
+        self._new_stores()
+
+    def _new_stores(self) -> None:
+        group = settle_group(self.codes)
+        self.k_store, self.v_store = (dynamic_store(code, group) for code in self.codes)
 
     def lazy_initialization(self, key_states, value_states):
         self.bases = self.bases.to(key_states)
         super().lazy_initialization(key_states, value_states)
 
     def get_seq_length(self) -> int:
-        """Tokens cached, read off the seq axis (a plan may keep a zero-wide latent)."""
-        return self.keys.shape[-2] if self.is_initialized else 0
+        """Tokens cached, read off the keys' store (a plan may keep a zero-wide latent)."""
+        return self.k_store.tokens(self.keys) if self.is_initialized else 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -178,53 +128,153 @@ class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
         if self.logs_rotary:
             self.bases.rotary.append(None)
         k, v = self.bases.compress(key_states, value_states)
-        self.keys = torch.cat([self.keys, k], dim=-2) if self.keys.numel() else k
-        self.values = torch.cat([self.values, v], dim=-2) if self.values.numel() else v
-        return self.bases.expand(self.keys, self.values)
+        self.keys = self.k_store.append(self.keys, k)
+        self.values = self.v_store.append(self.values, v)
+        return self.bases.expand(*self.latents())
+
+    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token's latents (or keys and values) as attention reads them,
+        before the rebuild: what ``update`` expands."""
+        return self.k_store.read(self.keys), self.v_store.read(self.values)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds, as far as it holds tokens (the RoPE angle log is
+        the cache's)."""
+        if not self.is_initialized:
+            return []
+        return [*self.k_store.tensors(self.keys), *self.v_store.tensors(self.values)]
+
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Where each row's first token sits ``(b,)`` (after its left padding), before the
+        first update: what a store that keeps sinks keeps as it came."""
+        self.k_store.place_sinks(positions)
+        self.v_store.place_sinks(positions)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not "
+                             "supported: pass a negative number of tokens to remove")
+        length = self.get_seq_length()
+        if tokens_to_remove == 0 or length == 0:
+            return
+        keep = max(length + tokens_to_remove, 0)
+        self.keys = self.k_store.cut(self.keys, keep)
+        self.values = self.v_store.cut(self.values, keep)
+        if self._log() is not None:
+            self._log().crop(tokens_to_remove)
+
+    def _map_batch(self, fn) -> None:
+        """``fn``, an operation on the batch axis 0, on every per-row tensor: windows, stores
+        and the RoPE angle log."""
+        if self.get_seq_length() > 0:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+        self.k_store.map_batch(fn)
+        self.v_store.map_batch(fn)
+        if self._log() is not None:
+            self._log().map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
+
+    def offload(self):
+        """The windows and stores to the CPU (the RoPE angle log, shared by the cache's
+        layers, stays)."""
+        if self.is_initialized:
+            self._move("cpu")
+
+    def prefetch(self):
+        if self.is_initialized and self.keys.device != self.device:
+            self._move(self.device)
+
+    def _move(self, device) -> None:
+        move = lambda t: t.to(device, non_blocking=True)
+        self.keys, self.values = move(self.keys), move(self.values)
+        self.k_store.map_batch(move)
+        self.v_store.map_batch(move)
+
+    def reset(self) -> None:
+        super().reset()
+        self._new_stores()
+        if self._log() is not None:
+            self._log().reset()
 
 
 class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
-    """A preallocated cache of latents, written in place at the cache positions."""
+    """A preallocated cache of one layer for ``max_cache_len`` tokens: each side's window
+    (the whole buffer of an uncoded side) in ``keys`` / ``values``, its codes in the store of
+    its code, written in place at the cache positions (``cumulative_length`` on), so a
+    compiled decode step traces once for every position. Beams permute every buffer in
+    place, keeping the fixed addresses; a static layer has no ``crop`` nor batch
+    repeat/select."""
 
-    def __init__(self, max_cache_len: int, bases: LatentCodec, logs_rotary: bool = False):
+    def __init__(self, max_cache_len: int, bases: LatentCodec, k_code: Code = None,
+                 v_code: Code = None, logs_rotary: bool = False):
         super().__init__(max_cache_len)
         self.bases, self.logs_rotary = bases, logs_rotary
+        self.k_store, self.v_store = static_store(k_code), static_store(v_code)
 
     def lazy_initialization(self, key_states, value_states):
-        """Allocate the buffers (``_allocate``) and give them fixed addresses, as
-        ``StaticLayer`` does (not while dynamo traces)."""
+        """Allocate the buffers and give them fixed addresses, as ``StaticLayer`` does (not
+        while dynamo traces)."""
         self.bases = self.bases.to(key_states)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._allocate(key_states, value_states)
+        self.keys = self.k_store.allocate(key_states, self.bases.k_basis, self.max_cache_len)
+        self.values = self.v_store.allocate(value_states, self.bases.v_basis, self.max_cache_len)
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not is_torchdynamo_compiling():
             for tensor in (*self.tensors(), self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor)
         self.is_initialized = True
 
-    def _allocate(self, key_states, value_states) -> None:
-        """``(b, 1, max, r)`` for a latent side, ``(b, h_kv, max, d)`` for a side kept raw
-        (the two sides can differ, so not StaticLayer's one head count)."""
-        self.keys = self._buffer(key_states, self.bases.k_basis, self.max_cache_len)
-        self.values = self._buffer(value_states, self.bases.v_basis, self.max_cache_len)
-
     def tensors(self) -> list[torch.Tensor]:
-        """Every buffer the layer holds (the RoPE angle log is the cache's)."""
-        return [self.keys, self.values]
+        """Every buffer the layer holds: windows, packed codes, scales, zero points (the
+        RoPE angle log is the cache's)."""
+        return [self.keys, self.values, *self.k_store.tensors(), *self.v_store.tensors()]
 
-    @staticmethod
-    def _buffer(states: torch.Tensor, basis: torch.Tensor | None, tokens: int) -> torch.Tensor:
-        """Zeros for ``tokens`` tokens of one side: ``(b, 1, tokens, r)`` latents, or
-        ``(b, h_kv, tokens, d)`` for a side kept raw."""
-        b, h, _, d = states.shape
-        heads, width = (h, d) if basis is None else (1, basis.shape[0])
-        return states.new_zeros(b, heads, tokens, width)
+    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both sides over all ``max_cache_len`` tokens, a coded one decoded: what ``update``
+        rebuilds."""
+        return self.k_store.read(self.keys), self.v_store.read(self.values)
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """Write the new tokens at ``cumulative_length`` on (any number, within
+        ``max_cache_len``) and return K/V rebuilt from every allocated position."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        tokens = key_states.shape[-2]
+        positions = torch.arange(tokens, device=self.device) + self.cumulative_length
         if self.logs_rotary:
-            positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
             self.bases.rotary.append(positions)
-        keys, values = super().update(*self.bases.compress(key_states, value_states))
-        return self.bases.expand(keys, values)
+        k, v = self.bases.compress(key_states, value_states)
+        self.k_store.write(self.keys, k, positions, self.cumulative_length)
+        self.v_store.write(self.values, v, positions, self.cumulative_length)
+        self.cumulative_length.add_(tokens)
+        return self.bases.expand(*self.latents())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for t in self.tensors():
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+        if self._log() is not None:
+            self._log().map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def reset(self) -> None:
+        super().reset()
+        for t in self.tensors() if self.is_initialized else ():
+            t.zero_()
+        if self._log() is not None:
+            self._log().reset()
+
+    def offload(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")

@@ -126,6 +126,13 @@ class RotaryLog:
         if self.angle is not None:
             self.angle, self.magnitude = fn(self.angle), fn(self.magnitude)
 
+    def map_batch(self, fn) -> None:
+        """Apply ``fn``, an operation on the batch axis 0 (beams, repeat/select). A log of one
+        row holds angles every row shares (the positions transformers computed once for the
+        batch), so it stays as it is."""
+        if self.angle is not None and self.angle.shape[0] > 1:
+            self.map(fn)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (a growing log; a preallocated one is
         indexed by position and rewritten in place)."""

@@ -24,12 +24,14 @@ log = logging.getLogger(__name__)
 
 class LorcBackend:
     """A torch.compile backend; ``with_options(...)`` gives one with other plan options
-    (``cache_fraction``, ``schedule``, ``rope``, ...) or ``inductor=False`` (run the rewritten
-    graph as it is, for tests). ``reports`` holds one :class:`PassReport` per compiled graph."""
+    (a :class:`PlanOptions` or overrides of its fields: ``cache_fraction``, ``schedule``,
+    ``rope``, ...) or ``inductor=False`` (run the rewritten graph as it is, for tests).
+    "auto" options are taken at their first choice (``PlanOptions.concrete``: the backend
+    measures nothing). ``reports`` holds one :class:`PassReport` per compiled graph."""
 
-    def __init__(self, inductor: bool = True, **plan_options):
+    def __init__(self, inductor: bool = True, options: PlanOptions | None = None, **overrides):
         self.inductor = inductor
-        self.plan_options = PlanOptions(**plan_options)
+        self.plan_options = PlanOptions.of(options, **overrides)
         self.passes = LorcPassManager(self.plan_options)
         self.reports: list[PassReport] = []
         self._said: set[str] = set()  # every message is logged once per backend
@@ -49,7 +51,7 @@ class LorcBackend:
                 f"lorc_backend: the model has no lorc_fx.compress plan, so its cache-free "
                 f"attention is compressed with bases from the graph's weights: "
                 f"{len(compression.compressed)} blocks at cache fraction "
-                f"{plan.cache_fraction:.3f} (asked {_asked(plan.options)}, "
+                f"{plan.cache_fraction:.3f} (asked {plan.budget.asked()}, "
                 f"{plan.options.schedule} schedule); outputs differ from the uncompressed "
                 "model's"))
         if compression is not None:
@@ -61,9 +63,9 @@ class LorcBackend:
                                             f"left uncompressed: {why}")
         self._once(logging.INFO, f"lorc_backend: passes matched {report.counts}")
 
-    def with_options(self, inductor: bool | None = None, **plan_options) -> "LorcBackend":
-        merged = {**self.plan_options.__dict__, **plan_options}
-        return LorcBackend(self.inductor if inductor is None else inductor, **merged)
+    def with_options(self, inductor: bool | None = None, **overrides) -> "LorcBackend":
+        return LorcBackend(self.inductor if inductor is None else inductor, self.plan_options,
+                           **overrides)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         report = self.passes(gm, example_inputs)
@@ -77,10 +79,3 @@ class LorcBackend:
 
 lorc_backend = LorcBackend()
 torch._dynamo.register_backend(lorc_backend, name="lorc")
-
-
-def _asked(options: PlanOptions) -> str:
-    """The budget as the options say it."""
-    if options.bits_per_value is not None:
-        return f"{options.bits_per_value:g} bits per value"
-    return f"{options.cache_fraction:.3f}"

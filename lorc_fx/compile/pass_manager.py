@@ -60,7 +60,7 @@ def reads_latents(gm: fx.GraphModule) -> bool:
 
 class LorcPassManager(CustomGraphModulePass):
     def __init__(self, options: PlanOptions):
-        self.options = options
+        self.options = options.concrete()  # it measures nothing: "auto" is the first choice
 
     def __call__(self, gm: fx.GraphModule, example_inputs=()) -> PassReport:
         """Run every pass on ``gm`` in place; ``example_inputs`` (the backend's) hold the

@@ -22,9 +22,9 @@ Attention runs over a side's *positions*: the codes' slots, then the window's ro
 ``tokens`` (a window's spare rows) hold no token: they are masked out of the softmax and weigh
 nothing. The mask is gathered from tokens to positions; values laid out like the keys (one
 layer's two sides) take the probabilities as they are, others gather them by token. Packed
-codes unpack in order (``quantize.pack_bits``), so positions follow the tokens.
+codes unpack in order (``codes.integer.pack_bits``), so positions follow the tokens.
 
-Layouts (``quantize.py``): per channel (``axis`` -2) the payload is ``(b, h, width, groups,
+Layouts (``codes/integer.py``): per channel (``axis`` -2) the payload is ``(b, h, width, groups,
 group·bits/8)`` along the tokens, scale/zero ``(b, h, width, groups)``; per token (-1) it is
 ``(b, h, tokens, groups, group·bits/8)`` along the channels (padded to whole groups). Keys are
 read per channel (latents, and a plain plan's keys); values per channel (latents) or per
@@ -282,7 +282,7 @@ def _safe_softmax(scores):
 
 def _unpacked(payload, bits: int):
     """Packed codes ``(..., bytes)`` as floats ``(..., 8 // bits, bytes)``, in order once the
-    last two axes are flattened (``quantize.pack_bits``: byte ``j`` holds code ``j`` of each
+    last two axes are flattened (``codes.integer.pack_bits``: byte ``j`` holds code ``j`` of each
     run). The bytes stay the innermost axis, contiguous for the loads of a fused loop."""
     if bits == 8:
         return payload.unsqueeze(-2).float()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from lorc_fx.plan.options import PlanOptions
+
 DECODE_PROMPT = "The history of the city begins in the early nineteenth century, when"
 
 
@@ -49,8 +51,8 @@ def plot_perplexity(ppl: dict, path: str) -> None:
     plt.close(fig)
 
 
-def run_demo(cache_fraction: float, out_dir: str, plan_options: dict, tokens: int = 2048,
-             new_tokens: int = 48, compile_speed: bool = True, log=print) -> dict:
+def run_demo(options: PlanOptions, out_dir: str, tokens: int = 2048, new_tokens: int = 48,
+             compile_speed: bool = True, log=print) -> dict:
     from lorc_fx.analysis import analyze
     from lorc_fx.compile.backend import lorc_backend
     from lorc_fx.api import compress
@@ -72,7 +74,7 @@ def run_demo(cache_fraction: float, out_dir: str, plan_options: dict, tokens: in
     seconds["load_and_analyze"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    report = compress(model, cache_fraction, blocks=blocks, **plan_options)
+    report = compress(model, blocks=blocks, options=options)
     seconds["plan"] = time.perf_counter() - start
     log(str(report))
     full_bytes, kept_bytes = report.cache_bytes_per_token()
@@ -93,9 +95,9 @@ def run_demo(cache_fraction: float, out_dir: str, plan_options: dict, tokens: in
         f"  compressed: {sample['compressed']!r}")
 
     speed = {}
-    if compile_speed and report.plan.kind == "vector":
-        log("\ncompiled decode speed skipped: this plan's vector codes need a dynamic cache and "
-            "decode eagerly (the speed test compiles a static one)")
+    if compile_speed and not report.plan.scheme.capabilities.static_cache:
+        log(f"\ncompiled decode speed skipped: a {report.plan.scheme.title} plan needs a dynamic "
+            "cache (the speed test compiles a static one)")
         compile_speed = False
     if compile_speed:
         start = time.perf_counter()

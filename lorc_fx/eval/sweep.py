@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from torch import nn
 
 from lorc_fx.api import compress
-from .evaluate import evaluation_windows, score_windows
+from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.schedules import UnreachableFraction
+
+from .evaluate import evaluation_windows, score_windows
 
 
 @dataclass(frozen=True)
@@ -24,9 +26,10 @@ class Config:
     def label(self) -> str:
         return "/".join(filter(None, (self.basis, self.schedule, self.rope)))
 
-    def plan_options(self, common: dict) -> dict:
+    def overrides(self) -> dict:
+        """What the config changes of the sweep's plan options."""
         rope = {"rope": self.rope} if self.rope else {}
-        return {**common, "basis": self.basis, "schedule": self.schedule, **rope}
+        return {"basis": self.basis, "schedule": self.schedule, **rope}
 
 
 def parse_configs(text: str) -> list[Config]:
@@ -57,8 +60,9 @@ def _write(path: str | None, data: dict) -> None:
 
 
 def run_sweep(model: nn.Module, tokenizer, blocks, texts: dict[str, str], fractions: list[float],
-              configs: list[Config], tokens: int, window: int = 512, plan_options: dict | None = None,
-              progress: bool = True, checkpoint: str | None = None) -> dict:
+              configs: list[Config], tokens: int, window: int = 512,
+              options: PlanOptions | None = None, progress: bool = True,
+              checkpoint: str | None = None) -> dict:
     """Full and compressed perplexity of every (config, fraction) on every text, with the
     compressed model's next-token KL from the full one and their top-1 agreement.
 
@@ -68,7 +72,7 @@ def run_sweep(model: nn.Module, tokenizer, blocks, texts: dict[str, str], fracti
 
     settings = {"texts": sorted(texts), "tokens": tokens, "window": window,
                 "metrics": ["ppl", "kl", "top1"],  # a checkpoint from before KL is not resumed
-                "plan_options": {k: repr(v) for k, v in sorted((plan_options or {}).items())}}
+                "plan_options": {k: repr(v) for k, v in sorted(asdict(options or PlanOptions()).items())}}
     result = _load_checkpoint(checkpoint, settings)
     windows = {name: evaluation_windows(tokenizer, text, tokens, window)
                for name, text in texts.items()}
@@ -89,8 +93,8 @@ def run_sweep(model: nn.Module, tokenizer, blocks, texts: dict[str, str], fracti
                    "requested": fraction}
             start = time.perf_counter()
             try:
-                report = compress(model, fraction, blocks=blocks,
-                                  **config.plan_options(plan_options or {}))
+                report = compress(model, fraction, blocks=blocks, options=options,
+                                  **config.overrides())
             except UnreachableFraction as err:
                 row["error"] = str(err)
             else:

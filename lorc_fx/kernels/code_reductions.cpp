@@ -3,7 +3,7 @@
 // lorc_fx/kernels/code_reductions.py builds this file once per machine and calls it through
 // ctypes.
 //
-// Layouts (lorc_fx/cache/quantize.py): codes are unsigned, 8 bits a byte or 4 bits two a byte
+// Layouts (lorc_fx/codes/integer.py): codes are unsigned, 8 bits a byte or 4 bits two a byte
 // (a run of `len` codes packed in len/2 bytes, byte j holding code j in its low nibble and code
 // j + len/2 in its high one); a value is zero + code * scale, scale and zero per group.
 //

@@ -3,7 +3,7 @@ its two reductions, ``lorc::code_scores`` and ``lorc::code_sums``, and a plain p
 step fused, ``lorc::code_attention`` (scores, softmax and weighted values in one pass over
 the codes: its docstring).
 
-Layouts are ``lorc_fx.cache.quantize``'s (codes unsigned, packed in runs: byte ``j`` holds
+Layouts are ``lorc_fx.codes.integer``'s (codes unsigned, packed in runs: byte ``j`` holds
 code ``j`` of each of the ``8 // bits`` runs of a group, the first run in the low bits; a value
 is ``zero + code·scale``):
 
@@ -102,7 +102,7 @@ def native_applies(device: torch.device, bits: int, group: int) -> bool:
 
 def _codes(payload: Tensor, bits: int) -> Tensor:
     """Packed codes ``(..., bytes)`` as float32 ``(..., bytes·8/bits)`` in order. Only widths
-    that divide a byte unpack by shifts (``quantize.unpack_bits``, a layer above, reads 3-bit
+    that divide a byte unpack by shifts (``codes.integer.unpack_bits``, a layer above, reads 3-bit
     words); the ops take no others."""
     if 8 % bits:
         raise ValueError(f"lorc::code_* ops read codes of 2, 4 or 8 bits, not {bits}")

@@ -6,9 +6,12 @@ The file (``lorc_plan.safetensors`` by default; docs/design.md, "The plan file")
 - tensors ``"{layer}.k_basis"``, ``"{layer}.v_basis"`` (latent rows ``P``, ``(rank, full)``,
   float64 as planned) and, for an oblique basis only, ``"{layer}.k_rebuild"`` /
   ``"{layer}.v_rebuild"`` (rebuild rows ``B``; an orthonormal basis rebuilds with ``P``);
+  for a side stored as vector codes, its book's tables ``"{layer}.k_book.{run}.codewords"``
+  and ``".values"``;
 - one metadata entry, ``"lorc_fx.plan"``: JSON with the format version, the model's
-  fingerprint (:func:`plan_fingerprint`) and name, the plan's options, reachable range and
-  RoPE angle log, and every :class:`LayerPlan` field that is not a tensor.
+  fingerprint (:func:`plan_fingerprint`) and name, the plan's scheme (``"kind"``), options,
+  reachable range and RoPE angle log, and every :class:`LayerPlan` field that is not a
+  tensor, each side's code as ``planner.code_json`` writes it.
 
 The fingerprint hashes the model's config and a fixed sample of every weight, so a plan is
 refused on another model, but not on the same weights loaded from another directory, onto
@@ -29,8 +32,13 @@ from torch import nn
 from lorc_fx.analysis.records import AttentionBlock, RopeLayout
 from lorc_fx.analysis.sharding import full_tensor, model_split
 
+from lorc_fx.codes.integer import ChannelSplit, QuantSpec
+from lorc_fx.codes.vector import VectorBook, VectorSpec
+
 from .options import CalibrationOptions, PlanOptions
-from .planner import LayerPlan, Plan, angle_log_width, process_plan
+from .planner import (Code, LayerPlan, Plan, angle_log_width, code_json, latent_code,
+                      process_plan, scale_dtype, value_token_group)
+from .scheme import LOW_RANK, scheme_named
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +49,15 @@ FORMAT = "lorc_fx.plan"  # the metadata key, and the JSON's "format"
 # keys_waterfilled, whose layers record their key rows' code widths; 5: the RoPE angle log
 # holds an angle per pair and a magnitude, ``rotary_dim / 2 + 1`` values a token, where up to
 # version 4 it held ``cos`` and ``sin``, ``rotary_dim``: an older plan is read with the smaller
-# log, its latents as planned)
-VERSION = 5
+# log, its latents as planned; 6: each side's code in the layer, the scheme's name as "kind",
+# vector plans with their books' tables)
+VERSION = 6
 _SAMPLES = 1024  # weight values hashed per tensor
 # config keys that loading or saving changes (``save_pretrained`` fills in ``architectures``
 # and ``dtype``); the parameters' names and shapes say which head the model has
 _VOLATILE = {"transformers_version", "dtype", "torch_dtype", "use_cache", "architectures"}
 _TENSORS = ("k_basis", "v_basis", "k_rebuild", "v_rebuild")
+_CODES = ("k_code", "v_code")
 
 
 class PlanFileError(ValueError):
@@ -106,10 +116,11 @@ def plan_path(path: str | os.PathLike) -> Path:
 
 def _layer_json(layer: LayerPlan) -> dict:
     out = {f.name: getattr(layer, f.name) for f in fields(LayerPlan)
-           if f.name not in (*_TENSORS, "k_book", "v_book")}  # books: vector plans, not saved
+           if f.name not in (*_TENSORS, *_CODES)}
     out["rope"] = asdict(layer.rope)
     out["k_oblique"] = not torch.equal(layer.k_rebuild, layer.k_basis)
     out["v_oblique"] = not torch.equal(layer.v_rebuild, layer.v_basis)
+    out.update(k_code=code_json(layer.k_code), v_code=code_json(layer.v_code))
     return out
 
 
@@ -119,8 +130,16 @@ def _plan_json(plan: Plan) -> dict:
             "options": asdict(plan.options), "reachable": list(plan.reachable),
             "rotary_log": plan.rotary_log, "basis_note": plan.basis_note,
             "fraction_search": plan.fraction_search,
-            "dtype_bits": plan.dtype_bits, "kind": plan.kind, "candidates": plan.candidates,
-            "layers": [_layer_json(l) for l in plan.layers]}
+            "dtype_bits": plan.dtype_bits, "kind": plan.scheme.name,
+            "candidates": plan.candidates, "layers": [_layer_json(l) for l in plan.layers]}
+
+
+def _book_tensors(name: str, code: Code) -> dict[str, torch.Tensor]:
+    if not isinstance(code, VectorBook):
+        return {}
+    return {f"{name}.{i}.{part}": t.detach().cpu().contiguous().clone()
+            for i, tables in enumerate(code.tables)
+            for part, t in zip(("codewords", "values"), tables)}
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
@@ -134,10 +153,6 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
         raise ValueError("this plan records no model fingerprint, so a file of it could not "
                          "be checked against a model; save the plan of lorc_fx.plan(model) or "
                          "of a model lorc_fx.compress compressed")
-    if plan.kind == "vector":
-        raise ValueError("saving a vector-coded plan is not supported yet (its codebooks are "
-                         "not part of the plan file format); compress(model, bits_per_value=...) "
-                         "plans it again, its codebooks read from the calibration cache")
     path = plan_path(path)
     tensors = {}
     for layer in plan.layers:
@@ -147,6 +162,8 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
             rebuild = getattr(layer, f"{side}_rebuild")
             if not torch.equal(rebuild, basis):
                 tensors[f"{layer.layer}.{side}_rebuild"] = rebuild.detach().cpu().contiguous().clone()
+            tensors.update(_book_tensors(f"{layer.layer}.{side}_book",
+                                         getattr(layer, f"{side}_code")))
     from safetensors.torch import save
 
     data = save(tensors, metadata={FORMAT: json.dumps(_plan_json(plan))})
@@ -166,28 +183,75 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
 def _options(data: dict) -> PlanOptions:
     calibration = dict(data.pop("calibration"))
     calibration["texts"] = tuple(calibration["texts"])
+    if data.get("bits_per_value") is not None:  # up to version 5 both were always set
+        data["cache_fraction"] = None
     return PlanOptions(**data, calibration=CalibrationOptions(**calibration))
 
 
-def _tensor(f, name: str, shape: tuple[int, int], source: Path) -> torch.Tensor:
+def _tensor(f, name: str, shape: tuple[int, int] | None, source: Path) -> torch.Tensor:
+    """The floating-point tensor ``name`` (of ``shape``, where given)."""
     if name not in f.keys():
         raise PlanFileError(f"plan file {source} lacks the tensor {name!r}")
     t = f.get_tensor(name)
-    if tuple(t.shape) != shape or not t.is_floating_point():
+    if (shape is not None and tuple(t.shape) != shape) or not t.is_floating_point():
         raise PlanFileError(f"plan file {source}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, "
                             f"the plan says a floating-point {shape}")
     return t
 
 
-def _layer(f, data: dict, source: Path) -> LayerPlan:
+def _code(f, name: str, data: dict | None, dtype_bits: int, source: Path) -> Code:
+    """The code ``code_json`` wrote (a vector book's tables read from ``name``'s tensors)."""
+    if data is None:
+        return None
+    scales = scale_dtype(dtype_bits)
+    if "vector_runs" in data:
+        spec = VectorSpec(tuple((c, b) for c, b in data["vector_runs"]), data["tuple_dims"])
+        tables = tuple((_tensor(f, f"{name}.{i}.codewords", None, source),
+                        _tensor(f, f"{name}.{i}.values", None, source))
+                       for i in range(len(spec.runs)))
+        return VectorBook(spec, tables)
+    if "bit_runs" in data:
+        return ChannelSplit(tuple((c, b) for c, b in data["bit_runs"]), data["group"], scales)
+    return QuantSpec(data["bits"], data["group"], data["axis"], scales)
+
+
+def _codes_before_6(data: dict, kind: str, options: PlanOptions, dtype_bits: int
+                    ) -> tuple[Code, Code]:
+    """A layer's codes in a file of version 5 or older, which said them by the plan's kind,
+    its options and the key rows' widths (``k_bit_runs``, ``k_group``)."""
+    if data["skipped"]:
+        return None, None
+    options, scales = options.concrete(), scale_dtype(dtype_bits)
+    bits, group = options.latent_bits, options.latent_group
+    values = QuantSpec.per_token(bits, value_token_group(data["head_dim"], group), scales)
+    if kind == "plain":
+        return QuantSpec.per_channel(bits, group, scales), values
+    if kind == "keys_waterfilled":
+        runs = tuple(tuple(run) for run in data.get("k_bit_runs", ()))
+        return (ChannelSplit(runs, data["k_group"], scales) if runs else None,
+                values if data["v_compressible"] else None)
+    return (latent_code(options, dtype_bits, data["k_compressible"], data["k_rank"]),
+            latent_code(options, dtype_bits, data["v_compressible"], data["v_rank"]))
+
+
+def _layer(f, data: dict, plan: dict, options: PlanOptions, source: Path) -> LayerPlan:
     data = dict(data)
     oblique = {side: data.pop(f"{side}_oblique") for side in ("k", "v")}
     data["rope"] = RopeLayout(**data["rope"])
-    data["k_bit_runs"] = tuple(tuple(run) for run in data.get("k_bit_runs", ()))
-    covered = sum(rows for rows, _ in data["k_bit_runs"])
-    if covered not in (0, data["k_rank"]):
-        raise PlanFileError(f"plan file {source}: layer {data['layer']}'s key code widths "
-                            f"cover {covered} rows of {data['k_rank']}")
+    dtype_bits = plan.get("dtype_bits", 16)
+    if plan["version"] < 6:
+        codes = _codes_before_6(data, plan.get("kind", LOW_RANK), options, dtype_bits)
+        data.pop("k_bit_runs", None), data.pop("k_group", None)
+    else:
+        codes = tuple(_code(f, f"{data['layer']}.{side}_book", data[f"{side}_code"], dtype_bits,
+                            source) for side in ("k", "v"))
+    data["k_code"], data["v_code"] = codes
+    for side, code in zip(("k", "v"), codes):
+        width = code.width if isinstance(code, ChannelSplit) else \
+            code.spec.width if isinstance(code, VectorBook) else None
+        if width not in (None, data[f"{side}_rank"]):
+            raise PlanFileError(f"plan file {source}: layer {data['layer']}'s {side} code "
+                                f"covers {width} rows of {data[f'{side}_rank']}")
     for side in ("k", "v"):
         shape = (data[f"{side}_rank"], data[f"{side}_full"])
         basis = _tensor(f, f"{data['layer']}.{side}_basis", shape, source)
@@ -225,15 +289,17 @@ def load_plan(path: str | os.PathLike) -> Plan:
                                     f"version {data['version']}, whose values were quantized "
                                     "per channel; plan again (values are now quantized per "
                                     "token)")
-            layers = [_layer(f, l, source) for l in data["layers"]]
+            options = _options(data["options"])
+            layers = [_layer(f, l, data, options, source) for l in data["layers"]]
             rotary_log = data["rotary_log"]
             if data["version"] < 5 and rotary_log:  # it was the rotary dims (cos and sin)
                 rotary_log = angle_log_width(rotary_log)
-            plan = Plan(layers, _options(data["options"]), tuple(data["reachable"]), rotary_log,
+            plan = Plan(layers, options, tuple(data["reachable"]), rotary_log,
                         basis_note=data.get("basis_note", ""),
                         fraction_search=data.get("fraction_search"),
                         fingerprint=data["fingerprint"], model_name=data.get("model"),
-                        dtype_bits=data.get("dtype_bits", 16), kind=data.get("kind", "low_rank"),
+                        dtype_bits=data.get("dtype_bits", 16),
+                        scheme=scheme_named(data.get("kind", LOW_RANK)),
                         candidates=data.get("candidates", []))
     except PlanFileError:
         raise

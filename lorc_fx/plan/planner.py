@@ -15,17 +15,58 @@ import torch
 from lorc_fx.analysis.records import AttentionBlock, RopeLayout
 from lorc_fx.analysis.sharding import full_tensor, model_split
 
+from lorc_fx.codes.integer import ChannelSplit, QuantSpec
+from lorc_fx.codes.vector import VectorBook
+
 from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
 from .metrics import relative
-from .options import SCALE_BITS, STORED_FLOAT_BITS, PlanOptions
+from .options import SCALE_BITS, STORED_FLOAT_BITS, Budget, PlanOptions
 from .schedules import SCHEDULES, ScheduleInput, UnreachableFraction
+from .scheme import LOW_RANK, PLAIN, Scheme, scheme_named
 from .spectra import (Spectrum, block_diagonal, condition_number, real_spectrum,
                       rope_commuting_spectrum)
 
-# a vector plan's budget pays for each sequence's first token in full precision (the sink,
-# ``cache.vector_layers``) as if sequences were this long: at 512 tokens or more the cache
-# holds at most the plan's bits per value
+# a side stored as vector codes pays for each sequence's first token in full precision (the
+# sink, ``cache.stores.vector``) as if sequences were this long: at 512 tokens or more the
+# cache holds at most the plan's bits per value
 SINK_SEQUENCE = 512
+
+# How one side of a layer is stored: integer codes in groups (one width, or runs of widths
+# over its channels), product vector codes, or ``None``: in the model's dtype
+Code = QuantSpec | ChannelSplit | VectorBook | None
+
+
+def code_bits(code: Code, rows: int, float_bits: int) -> float:
+    """Bits a token of a side of ``rows`` values takes stored as ``code``, everything
+    counted: integer codes with a 16-bit scale and zero point (``SCALE_BITS``) per group of
+    ``group`` (exact for whole groups: the last, partial group sits in the full-precision
+    window), vector codes (no scales) with the sink at ``SINK_SEQUENCE`` tokens a sequence
+    (exact for whole blocks of 8 tokens), floats at ``float_bits``."""
+    if code is None:
+        return rows * float_bits
+    if isinstance(code, VectorBook):
+        return sum(c * b for c, b in code.spec.runs) + rows * float_bits / SINK_SEQUENCE
+    runs = code.parts if isinstance(code, ChannelSplit) else ((rows, code.bits),)
+    return sum(c * (b + 2 * SCALE_BITS / code.group) for c, b in runs)
+
+
+def code_json(code: Code) -> dict | None:
+    """``code`` as JSON, its tensors (a vector book's tables) left out."""
+    if code is None:
+        return None
+    if isinstance(code, VectorBook):
+        return {"vector_runs": [list(r) for r in code.spec.runs],
+                "tuple_dims": code.spec.tuple_dims}
+    if isinstance(code, ChannelSplit):
+        return {"bit_runs": [list(r) for r in code.parts], "group": code.group}
+    return {"bits": code.bits, "group": code.group, "axis": code.axis}
+
+
+def scale_dtype(dtype_bits: int) -> torch.dtype | None:
+    """What quantization scales and zero points are stored in for a model whose floats have
+    ``dtype_bits`` bits: 16 bits (``SCALE_BITS``), the model's own dtype where it has 16 bits
+    (``None``), else float16."""
+    return None if dtype_bits == SCALE_BITS else torch.float16
 
 
 @dataclass
@@ -150,15 +191,10 @@ class LayerPlan:
     k_compressible: bool = True  # False: keys stay raw (e.g. a norm between projection and cache)
     v_compressible: bool = True
     note: str = ""
-    # a plan of kind "keys_waterfilled": the key latent's rows in runs of one code width,
-    # (rows, bits) in basis order, quantized per channel over groups of k_group tokens
-    k_bit_runs: tuple[tuple[int, int], ...] = ()
-    k_group: int = 0
-    # a plan of kind "vector": each side's latent (its basis rows in channel order) coded by
-    # a ``cache.vector_codes.VectorBook`` (the cache stage's type: plans sit below it);
-    # None: that side not coded
-    k_book: object | None = field(default=None, repr=False)
-    v_book: object | None = field(default=None, repr=False)
+    # how each side's latent (its basis rows in order; raw keys or values where not
+    # compressible) is stored (``Code``); None: in the model's dtype
+    k_code: Code = field(default=None, repr=False)
+    v_code: Code = field(default=None, repr=False)
 
     @property
     def compressed(self) -> bool:
@@ -167,13 +203,15 @@ class LayerPlan:
     def summary(self) -> dict:
         keys = ("layer", "k_rank", "v_rank", "k_full", "v_full", "skipped", "kappa_k",
                 "kappa_v", "log_kappa_cum", "k_latent_of", "k_energy_kept", "v_energy_kept",
-                "note", "k_bit_runs", "k_group")
+                "note")
         out = {k: getattr(self, k) for k in keys}
-        for side, book in (("k", self.k_book), ("v", self.v_book)):
-            if book is not None:
-                out[f"{side}_vector_runs"] = book.spec.runs
-        out["rope"] = asdict(self.rope)
+        out.update(k_code=code_json(self.k_code), v_code=code_json(self.v_code),
+                   rope=asdict(self.rope))
         return out
+
+
+def _low_rank() -> Scheme:
+    return scheme_named(LOW_RANK)
 
 
 @dataclass
@@ -193,33 +231,37 @@ class Plan:
     # ratio measured per fraction tried (``lorc_fx.search.fraction.FractionSearch.to_json``)
     fraction_search: dict | None = None
     dtype_bits: int = 16  # bits of the model's floats: what the cache stores unquantized
-    # "low_rank"; "plain": every layer full width with identity bases, i.e. plain KV-cache
-    # quantization (``plain_quantized_plan``); "keys_waterfilled": key latents (before RoPE)
-    # with a code width per row (``LayerPlan.k_bit_runs``), values the plain plan's
-    # (``plan.bit_allocation``); "vector": latents at full rank coded as product vector codes
-    # (``LayerPlan.k_book`` / ``v_book``, ``plan.vector_allocation``), each sequence's first
-    # token kept as it came
-    kind: str = "low_rank"
-    # the candidates the bit-width search measured (``lorc_fx.search.bits``), best first
+    # the storage scheme that made the plan (``lorc_fx.schemes``); what each side stores is
+    # its layers' codes
+    scheme: Scheme = field(default_factory=_low_rank)
+    # the candidates the search measured (``lorc_fx.search.candidates``), best first
     candidates: list[dict] = field(default_factory=list)
     # the shard of ``options.shards`` this plan is (``local``): its layers cover that shard's
     # KV heads only; None: the whole model
     shard: int | None = None
 
+    @property
+    def budget(self) -> Budget:
+        return self.options.budget
+
+    @property
+    def shards(self) -> int:
+        return self.options.shards or 1
+
     def local(self, index: int) -> "Plan":
         """The plan of shard ``index`` of ``options.shards``: each layer's rows of that shard
         (every ``shards``-th row of a block-diagonal basis) on its own KV heads' dims, which
         is what the process holding those heads caches. Identity for an unsharded plan."""
-        count = self.options.shards
+        count = self.shards
         if count == 1:
             return self
-        if self.kind == "vector":
-            raise ValueError("a vector-coded plan cannot be split over shards: its books code "
-                             "whole latents; plan with shards=1")
+        if not self.scheme.capabilities.shards:
+            raise ValueError(f"a {self.scheme.title} plan cannot be split over shards; plan "
+                             "with shards=1")
         if self.shard is not None or not 0 <= index < count:
             raise ValueError(f"shard index must be in [0, {count}) of a whole-model plan, "
                              f"got {index}")
-        interleaved = self.kind != "plain"
+        interleaved = not self.scheme.identity_bases
         return replace(self, layers=[_local_layer(l, index, count, interleaved)
                                      for l in self.layers], shard=index)
 
@@ -228,12 +270,6 @@ class Plan:
         """Cache bytes kept ÷ the uncompressed cache's bytes, in the model's dtype."""
         full, _ = self.cache_elements_per_token()
         return self.bits_per_token(self.dtype_bits) / (full * self.dtype_bits)
-
-    @property
-    def size_as_asked(self) -> float:
-        """The plan's size in the unit its options ask the budget in: bits per value, or
-        the cache fraction."""
-        return self.bits_per_value if self.options.bits_per_value is not None else self.cache_fraction
 
     @property
     def bits_per_value(self) -> float:
@@ -247,79 +283,25 @@ class Plan:
         full = sum(l.k_full + l.v_full for l in self.layers)
         return full, sum(l.k_rank + l.v_rank for l in self.layers) + self.rotary_log
 
-    def side_groups(self, layer: LayerPlan) -> tuple[tuple[int | None, int], tuple[int | None, int]]:
-        """How ``layer``'s keys and values are quantized, as ``(group, axis)`` each: ``axis``
-        -2 per channel over groups of ``group`` tokens, -1 per token over groups of ``group``
-        channels; ``group`` None where the side stays in the model's dtype (latents not
-        quantized, a skipped layer, a raw or zero-wide side). Latents go per channel; a plain
-        plan's keys per channel and values per token within each head (KIVI's layout); a
-        keys_waterfilled plan's keys per channel over ``k_group`` tokens, values as a plain
-        plan's."""
-        o = self.options
-        if o.latent_bits == 16 or layer.skipped or self.kind == "vector":
-            return (None, -2), (None, -2)
-        if self.kind == "plain":
-            return (o.latent_group, -2), (value_token_group(layer.head_dim, o.latent_group), -1)
-        if self.kind == "keys_waterfilled":
-            return ((layer.k_group if layer.k_bit_runs else None, -2),
-                    (value_token_group(layer.head_dim, o.latent_group)
-                     if layer.v_compressible else None, -1))
-        side = lambda compressible, rank: (o.latent_group if compressible and rank else None, -2)
-        return side(layer.k_compressible, layer.k_rank), side(layer.v_compressible, layer.v_rank)
-
-    def code_runs(self, layer: LayerPlan) -> list[tuple[int, int, int]]:
-        """``(elements, bits, group)`` per token of each run of ``layer``'s codes
-        (``side_groups``): one per quantized side at ``options.latent_bits``, the key runs
-        of a keys_waterfilled plan at their own widths."""
-        if self.kind == "vector":  # no scales: a group of infinitely many tokens
-            return [(rows, b, math.inf) for book in (layer.k_book, layer.v_book)
-                    if book is not None for rows, b in book.spec.runs]
-        (k_group, _), (v_group, _) = self.side_groups(layer)
-        bits = self.options.latent_bits
-        out = []
-        if k_group:
-            out += [(rows, b, k_group) for rows, b in layer.k_bit_runs or [(layer.k_rank, bits)]]
-        if v_group:
-            out.append((layer.v_rank, bits, v_group))
-        return out
-
-    def key_rows_per_width(self) -> dict[int, int]:
-        """Key latent rows stored at each code width, all layers (a keys_waterfilled plan's
-        ``k_bit_runs``; empty for other plans)."""
-        rows: dict[int, int] = {}
-        for layer in self.layers:
-            for count, bits in layer.k_bit_runs:
-                rows[bits] = rows.get(bits, 0) + count
-        return rows
-
-    def quantized_elements_per_token(self) -> int:
-        """Elements per token the cache stores as codes (``code_runs``); 0 when nothing is
-        quantized."""
-        return sum(rows for l in self.layers for rows, _, _ in self.code_runs(l))
+    @property
+    def coded(self) -> bool:
+        """Whether any side is stored as codes (else every value in the model's dtype)."""
+        return any(l.k_code is not None or l.v_code is not None for l in self.layers)
 
     def bits_per_token(self, float_bits: int) -> float:
         """Bits the cache holds per token per sequence where a stored float has
-        ``float_bits`` bits: codes with their 16-bit scales and zero points (one of each per
-        group, ``side_groups``), unquantized latents, raw sides and the RoPE angle log; a
-        vector plan's codes (no scales) and its sinks at ``SINK_SEQUENCE`` tokens a sequence.
-        Exact for a sequence of whole groups of ``latent_group`` tokens (the last, partial
-        group sits in the full-precision window; a vector plan's, of 8 tokens)."""
-        _, kept = self.cache_elements_per_token()
-        bits = kept * float_bits
-        for l in self.layers:
-            for rows, code_bits, group in self.code_runs(l):
-                bits += rows * (code_bits + 2 * SCALE_BITS / group - float_bits)
-        if self.kind == "vector":  # the sinks, per sequence of SINK_SEQUENCE tokens
-            bits += sum(rows for l in self.layers for rows, _, _ in self.code_runs(l)) \
-                * float_bits / SINK_SEQUENCE
-        return bits
+        ``float_bits`` bits: every side as its code says (``code_bits``) and the RoPE angle
+        log."""
+        return self.rotary_log * float_bits + sum(
+            code_bits(l.k_code, l.k_rank, float_bits) + code_bits(l.v_code, l.v_rank, float_bits)
+            for l in self.layers)
 
     def cache_bytes_per_token(self, dtype_bytes: int) -> tuple[int, float]:
         """(full, compressed) cache bytes per token per sequence for a model whose dtype has
         ``dtype_bytes`` bytes, everything counted (``bits_per_token``). The compressed figure
-        is an int when latents are not quantized."""
+        is an int when nothing is stored as codes."""
         full, kept = self.cache_elements_per_token()
-        if not self.quantized_elements_per_token():
+        if not self.coded:
             return full * dtype_bytes, kept * dtype_bytes
         return full * dtype_bytes, self.bits_per_token(8 * dtype_bytes) / 8
 
@@ -333,14 +315,14 @@ class Plan:
         return element_budget(self.options, full, fixed, self.rotary_log, self.dtype_bits)
 
     def to_json(self) -> dict:
+        budget = self.budget
         return {
             "cache_fraction": self.cache_fraction,
             "bits_per_value": self.bits_per_value,
-            "requested_fraction": (None if self.options.bits_per_value is not None
-                                   else self.options.cache_fraction),
-            "requested_bits_per_value": self.options.bits_per_value,
+            "requested_fraction": None if budget.in_bits else budget.value,
+            "requested_bits_per_value": budget.value if budget.in_bits else None,
             "reachable": list(self.reachable),
-            "kind": self.kind,
+            "kind": self.scheme.name,
             "options": asdict(self.options),
             "basis_note": self.basis_note, "shard": self.shard,
             "fraction_search": self.fraction_search,
@@ -384,13 +366,13 @@ def value_token_group(head_dim: int, group: int) -> int:
 def element_budget(options: PlanOptions, full: int, fixed: int, rotary_log: int,
                    dtype_bits: int) -> float:
     """The share of the ``full`` K/V width the schedule may keep (``fixed`` of it is sides
-    kept full) so that the cache meets ``options``' budget (``PlanOptions.budget``): the RoPE
-    angle log and the fixed sides cost a stored float per element, latents
-    ``latent_bits_per_value``. The whole budget (``options.unchanged``) keeps every dim, the
-    angle log beside them; a budget beyond full-width latents (quantized) is capped at 1."""
-    if options.unchanged:
+    kept full) so that the cache meets ``options``' budget (``Budget.bits``): the RoPE angle
+    log and the fixed sides cost a stored float per element, latents
+    ``latent_bits_per_value``. The whole budget (``Budget.whole``) keeps every dim, the angle
+    log beside them; a budget beyond full-width latents (quantized) is capped at 1."""
+    if options.budget.whole:
         return 1.0
-    budget, float_bits = options.budget(dtype_bits)
+    budget, float_bits = options.budget.bits(dtype_bits)
     latent_bits = options.latent_bits_per_value(float_bits)
     latents = (budget * full - (rotary_log + fixed) * float_bits) / latent_bits
     return min(1.0, (latents + fixed) / full)
@@ -486,31 +468,32 @@ def budget_reached(options: PlanOptions, kept: float, full: int, fixed: int, rot
                    dtype_bits: int) -> float:
     """The budget, in the unit ``options`` asks in (cache fraction, or bits per value), of a
     schedule keeping ``kept`` of the full width (``fixed`` of it full sides)."""
-    _, float_bits = options.budget(dtype_bits)
+    _, float_bits = options.budget.bits(dtype_bits)
     latents = kept * full - fixed
     bits = (latents * options.latent_bits_per_value(float_bits)
             + (fixed + rotary_log) * float_bits) / full
-    return bits if options.bits_per_value is not None else bits / dtype_bits
+    return options.budget.of_bits(bits, dtype_bits)
 
 
 def _unreachable(err: UnreachableFraction, options: PlanOptions, lowest: float
                  ) -> UnreachableFraction:
     """The schedule's refusal said in the unit of the request."""
-    if options.bits_per_value is not None:
-        asked, unit, top = f"bits_per_value {options.bits_per_value:g}", "bits per value", 16
-    else:
-        asked, unit, top = f"cache fraction {options.cache_fraction:.3f}", "cache fraction", 1
+    budget = options.budget
     return UnreachableFraction(
-        f"{asked} is out of reach of the {options.schedule} schedule on this model with "
-        f"{options.latent_bits}-bit latents: it reaches [{lowest:.3f}, {top}] ({unit}, the "
-        "skipped layers kept); ask for a budget in that range, fewer latent bits, or another "
-        "schedule", lowest)
+        f"{budget} is out of reach of the {options.schedule} schedule on this model with "
+        f"{options.latent_bits}-bit latents: it reaches [{lowest:.3f}, {budget.top:g}] "
+        f"({budget.unit}, the skipped layers kept); ask for a budget in that range, fewer "
+        "latent bits, or another schedule", lowest)
 
 
 def plan_layers(layers: list[LayerInput], options: PlanOptions,
                 dtype_bits: int | None = None) -> Plan:
-    """Bases and ranks for every layer (pure; deterministic). ``dtype_bits``: bits of the
-    model's floats, what the cache stores unquantized (default: the K weight's)."""
+    """Bases and ranks for every layer, latents stored at ``options.latent_bits`` (pure;
+    deterministic): the low-rank scheme's plan, and the full-rank plan other schemes start
+    from. "auto" options are taken at their first choice (``PlanOptions.concrete``).
+    ``dtype_bits``: bits of the model's floats, what the cache stores unquantized (default:
+    the K weight's)."""
+    options = options.concrete()
     if not layers:
         raise ValueError("no attention layer to plan: the analysis found no supported "
                          "attention block (lorc_fx.analyze(model) says why)")
@@ -538,8 +521,8 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions,
     latent = element_budget(options, full, fixed, rotary_log, dtype_bits)
     reached = lambda kept: budget_reached(options, kept, full, fixed, rotary_log, dtype_bits)
     # what the messages of an unquantized plan asked in cache fraction add to the latents
-    legacy = options.bits_per_value is None and options.latent_bits == 16
-    overhead = options.cache_fraction - latent if legacy else 0.0
+    legacy = not options.budget.in_bits and options.latent_bits == 16
+    overhead = options.budget.value - latent if legacy else 0.0
     inp = ScheduleInput(
         k_spectra=k_spectra, v_spectra=v_spectra, log_kappa_cum=log_cum, compress_k=compress_k,
         compress_v=compress_v, cache_fraction=latent, rank_multiple=options.rank_multiple,
@@ -563,38 +546,57 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions,
             k_basis=ks.basis(kr), v_basis=vs.basis(vr),
             k_rebuild=ks.rebuild(kr), v_rebuild=vs.rebuild(vr),
             k_energy_kept=_energy_kept(ks, kr), v_energy_kept=_energy_kept(vs, vr),
-            k_compressible=l.compress_k, v_compressible=l.compress_v, note=l.note))
-    top = 16.0 if options.bits_per_value is not None else 1.0
-    return Plan(plans, options, (reached(allocation.lowest_fraction), top), rotary_log,
-                dtype_bits=dtype_bits)
+            k_compressible=l.compress_k, v_compressible=l.compress_v, note=l.note,
+            k_code=latent_code(options, dtype_bits, l.compress_k and not s, kr),
+            v_code=latent_code(options, dtype_bits, l.compress_v and not s, vr)))
+    return Plan(plans, options, (reached(allocation.lowest_fraction), options.budget.top),
+                rotary_log, dtype_bits=dtype_bits)
+
+
+def latent_code(options: PlanOptions, dtype_bits: int, compressed: bool, rank: int) -> Code:
+    """How a low-rank plan stores a side's latent: ``latent_bits`` codes per channel over
+    groups of ``latent_group`` tokens (one scale and zero point per channel and group, which
+    follow the channels' very different ranges), where the side is compressed and keeps a
+    latent; else in the model's dtype."""
+    if options.latent_bits == 16 or not compressed or not rank:
+        return None
+    return QuantSpec.per_channel(options.latent_bits, options.latent_group,
+                                 scale_dtype(dtype_bits))
 
 
 def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
                          dtype_bits: int | None = None) -> Plan:
-    """Plain KV-cache quantization as a plan: every layer at full width with identity bases
-    (``kind == "plain"``), and the cache stores the keys (after any norm and RoPE) and values
-    themselves as ``options.latent_bits``-bit codes, keys per channel over groups of
-    ``latent_group`` tokens and values per token (KIVI's layout, ``Plan.side_groups``).
-    Layers transformers builds its own cache layer for stay as built (``skipped``). The
-    bit-width search (``lorc_fx.search.bits``) measures it beside the low-rank plans, so at
-    equal bytes a plan it keeps never loses to it on calibration data."""
+    """Plain KV-cache quantization as a plan of the ``plain`` scheme: every layer at full
+    width with identity bases (not applied: ``Scheme.identity_bases``), and the cache stores
+    the keys (after any norm and RoPE) and values themselves as ``options.latent_bits``-bit
+    codes, keys per channel over groups of ``latent_group`` tokens and values per token over
+    groups of channels within each head (KIVI's layout). Layers transformers builds its own
+    cache layer for stay as built (``skipped``)."""
+    options = options.concrete()
     if options.latent_bits == 16:
         raise ValueError("a plain quantized plan needs latent_bits 8 or 4")
     if dtype_bits is None:
         dtype_bits = 8 * layers[0].k_weight.element_size()
     options = replace(options, rope="commute")
+    bits, group, scales = options.latent_bits, options.latent_group, scale_dtype(dtype_bits)
     kappa_k, kappa_v = zip(*(l.kappa for l in layers))
     plans = []
     for l, kk, kv, lk in zip(layers, kappa_k, kappa_v, cumulative_log_kappa(kappa_k, kappa_v)):
         k_eye = torch.eye(l.k_weight.shape[0], dtype=torch.float64)
         v_eye = torch.eye(l.v_weight.shape[0], dtype=torch.float64)
+        kept = not l.kept_as_built
         plans.append(LayerPlan(
             layer=l.layer, k_full=len(k_eye), v_full=len(v_eye), k_rank=len(k_eye),
             v_rank=len(v_eye), skipped=l.kept_as_built, kappa_k=kk, kappa_v=kv,
             log_kappa_cum=lk, num_heads=l.num_heads, num_kv_heads=l.num_kv_heads,
             head_dim=l.head_dim, rope=l.rope, k_latent_of="post_rope", k_basis=k_eye,
             v_basis=v_eye, k_rebuild=k_eye, v_rebuild=v_eye,
-            note=l.note if l.kept_as_built else ""))
-    plan = Plan(plans, options, (0.0, 0.0), 0, dtype_bits=dtype_bits, kind="plain")
-    plan.reachable = (plan.size_as_asked, plan.size_as_asked)
+            note=l.note if l.kept_as_built else "",
+            k_code=QuantSpec.per_channel(bits, group, scales) if kept else None,
+            v_code=QuantSpec.per_token(bits, value_token_group(l.head_dim, group), scales)
+            if kept else None))
+    plan = Plan(plans, options, (0.0, 0.0), 0, dtype_bits=dtype_bits,
+                scheme=scheme_named(PLAIN))
+    size = options.budget.of(plan)
+    plan.reachable = (size, size)
     return plan

@@ -14,7 +14,8 @@ Keys and values get separate budgets, the keys ``key_share`` of what the codes m
 the spectra's energies are one unit within a side but misjudge keys against values
 (plan/allocation.py), and the sensitivities, a diagonal second-order model, misjudge them
 too (one budget over both under a first version of them had a higher held-out loss at 1.92
-bits than its best share, docs/design.md); the share is measured (``search.vector_bits``).
+bits than its best share, docs/schemes/vector.md); the share is measured
+(``schemes.vector``).
 
 Invariants: the allocation spends at most the budget; a channel's width is one the errors
 were measured at, or 0.
@@ -50,7 +51,7 @@ def code_budget(full: Plan, options: PlanOptions) -> float:
     """Bits a token the codes may spend at ``options``' budget: the budget less the RoPE
     angle log, the sides not coded (at a stored float's bits) and every coded channel's sink
     at ``SINK_SEQUENCE`` tokens a sequence."""
-    budget, float_bits = options.budget(full.dtype_bits)
+    budget, float_bits = options.budget.bits(full.dtype_bits)
     values, _ = full.cache_elements_per_token()
     fixed = full.rotary_log * float_bits
     coded = 0

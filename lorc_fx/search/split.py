@@ -22,7 +22,7 @@ from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.allocation import feasible_key_fractions
 from lorc_fx.plan.calibration import (calibration_tokenizer, calibration_windows,
                                       model_fingerprint, sampling_key)
-from lorc_fx.plan.options import CalibrationOptions, PlanOptions
+from lorc_fx.plan.options import DEFAULT_FRACTION, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers, process_plan
 from lorc_fx.search.windows import through_cache
 
@@ -60,7 +60,11 @@ def _grid(inputs: list[LayerInput], options: PlanOptions) -> list[float]:
 
 def _cache_file(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions):
     asked = asdict(replace(options, key_fraction=None))
-    if options.bits_per_value is None and options.latent_bits == 16:
+    # the key as the options of plan file version 5 spelled it (cached splits stay valid):
+    # no target, and the default fraction beside a budget in bits
+    del asked["max_ppl_increase"]
+    asked["cache_fraction"] = options.cache_fraction or DEFAULT_FRACTION
+    if not options.budget.in_bits and options.latent_bits == 16:
         del asked["bits_per_value"]  # a plan as before budgets in bytes existed: same key
     else:
         asked["budget"] = "bytes"  # quantized latents' cache_fraction counted elements before
@@ -105,7 +109,7 @@ def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[
         return cached["key_fraction"], cached["loss"]
     grid = _grid(inputs, options)
     if not grid:  # the fraction is out of reach: let the plan say so
-        return options.cache_fraction, math.inf
+        return options.cache_fraction or DEFAULT_FRACTION, math.inf
     windows = held_out_windows(model, options, tokenizer)
     losses: dict[int, float] = {}
 

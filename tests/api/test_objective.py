@@ -2,7 +2,8 @@
 import pytest
 
 from lorc_fx.analysis import analyze
-from lorc_fx.api import compress, rope_modes
+from lorc_fx.api import compress
+from lorc_fx.search.context import rope_modes
 from lorc_fx.report import plan_table
 from helpers.families import build, config_for
 

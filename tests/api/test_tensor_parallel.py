@@ -211,7 +211,7 @@ def test_default_options_quantize_each_process_own_heads(models, quantized):
     ``shards=2``; the bytes each cache's tensors hold equal the plan's per-shard figure; a
     static cache and the plan saved by rank 0 and installed again give the same tokens."""
     tokens, report = _single(models["llama"], 0.5, "auto", latent_group=GROUP)
-    assert (report.plan.kind, report.plan.options.latent_bits) == ("plain", 8)
+    assert (report.plan.scheme.name, report.plan.options.latent_bits) == ("plain", 8)
     for rank in quantized:
         seen = rank["fractions"]["0.5"]
         assert (seen["kind"], seen["latent_bits"], seen["shards"]) == ("plain", 8, WORLD)
@@ -223,5 +223,5 @@ def test_default_options_quantize_each_process_own_heads(models, quantized):
         assert seen["cached_tokens"] == GROUP
         assert seen["cache_bytes"] == shard_kept * GROUP < shard_full * GROUP
         # a static cache quantizes the same way; a saved whole plan installs on each process
-        assert seen["static_layers"] == ["QuantizedLatentStaticLayer"]
+        assert seen["static_stores"] == ["IntegerStaticStore"]
         assert seen["static_tokens"] == seen["saved_plan_tokens"] == tokens

@@ -46,8 +46,8 @@ def assert_same_plan(got, expected):
     assert got.rotary_log == expected.rotary_log
     assert got.basis_note == expected.basis_note  # the report's basis: line survives the file
     assert got.fingerprint == expected.fingerprint and got.fingerprint is not None
-    assert (got.dtype_bits, got.kind, got.candidates) == \
-        (expected.dtype_bits, expected.kind, expected.candidates)
+    assert (got.dtype_bits, got.scheme.name, got.candidates) == \
+        (expected.dtype_bits, expected.scheme.name, expected.candidates)
     assert got.bits_per_value == expected.bits_per_value
     assert len(got.layers) == len(expected.layers)
     for a, b in zip(got.layers, expected.layers):
@@ -186,7 +186,7 @@ def _rewrite_metadata(path, edit):
     ("tensor_gone", "lacks the tensor '0.k_basis'"),
     ("wrong_shape", r"tensor '1.v_basis' is torch.float64 \(3, 32\), the plan says"),
     ("field_gone", "corrupt or not a plan file"),
-    ("widths_short", "layer 0's key code widths cover 1 rows of"),
+    ("widths_short", "layer 0's k code covers 1 rows of"),
 ])
 def test_a_missing_or_damaged_file_is_a_clear_error_naming_it(damage, message, saved, tmp_path,
                                                               forbid_planning):
@@ -214,7 +214,8 @@ def test_a_missing_or_damaged_file_is_a_clear_error_naming_it(damage, message, s
     elif damage == "field_gone":
         _rewrite_metadata(path, lambda d, t: d["layers"][0].pop("k_rank"))
     elif damage == "widths_short":
-        _rewrite_metadata(path, lambda d, t: d["layers"][0].update(k_bit_runs=[[1, 4]]))
+        _rewrite_metadata(path, lambda d, t: d["layers"][0].update(
+            k_code={"bit_runs": [[1, 4]], "group": 64}))
     error = FileNotFoundError if damage == "missing" else PlanFileError
     with pytest.raises(error, match=message) as info:
         lorc_fx.compress(model, plan=path, blocks=blocks)

@@ -18,8 +18,8 @@ from transformers.cache_utils import DynamicCache
 
 from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
-from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
-from lorc_fx.cache.quantize import QuantSpec
+from lorc_fx.cache.stores.integer import IntegerStore
+from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.plan.options import PlanOptions
 from helpers.families import VOCAB, build, config_for
 
@@ -62,7 +62,7 @@ def test_16_bits_changes_nothing(model):
     default, cache, report = logits(model, ids)
     explicit, cache16, report16 = logits(model, ids, latent_bits=16, latent_group=8)
     assert torch.equal(default, explicit)
-    assert not any(isinstance(l, QuantizedLatentDynamicLayer) for l in cache16.layers)
+    assert not any(isinstance(l.k_store, IntegerStore) for l in cache16.layers)
     assert cache.cache_bytes() == cache16.cache_bytes()
     assert report.cache_bytes_per_token() == report16.cache_bytes_per_token()
     assert isinstance(report16.cache_bytes_per_token()[1], int)
@@ -120,8 +120,8 @@ def test_greedy_generate_with_padding_and_beams(model, bits):
         beams = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                num_beams=2, return_dict_in_generate=True)
     cache = got.past_key_values
-    assert isinstance(cache.layers[0], QuantizedLatentDynamicLayer)
-    assert cache.layers[0].k_quant is not None  # groups did fill and quantize
+    assert isinstance(cache.layers[0].k_store, IntegerStore)
+    assert cache.layers[0].k_store.quantized is not None  # groups did fill and quantize
     assert got.sequences.shape == reference.sequences.shape
     first, want = got.logits[0], reference.logits[0]  # same prompt: the prefill's logits
     assert ((first - want).abs().max() / want.abs().max()) < (0.01 if bits == 8 else 0.25)
@@ -141,15 +141,15 @@ def orthonormal_rows(rank: int, seed: int) -> torch.Tensor:
     return q.T[:rank].contiguous()
 
 
-def half_step_error(layer: QuantizedLatentDynamicLayer, got: torch.Tensor, exact: torch.Tensor,
-                    quant) -> None:
+def half_step_error(store: IntegerStore, got: torch.Tensor, exact: torch.Tensor) -> None:
     """Quantized tokens within half their group's step (plus float32 rounding of
     ``zero + code·scale``); the residual window exact."""
+    quant = None if store is None else store.quantized
     n = 0 if quant is None else quant.shape[-2]
     assert torch.equal(got[..., n:, :], exact[..., n:, :])
     if quant is None:
         return
-    g = layer.group
+    g = store.group
     step = quant.scale.float().repeat_interleave(g, dim=-1).transpose(-1, -2)  # (b, 1, n, r)
     zero = quant.zero.float().repeat_interleave(g, dim=-1).transpose(-1, -2)
     slack = 4 * torch.finfo(torch.float32).eps * (zero.abs() + step * (2 ** quant.spec.bits - 1))
@@ -169,7 +169,8 @@ def test_layer_round_trip_within_half_a_step(bits, group, k_rank, v_rank, batch,
     specs = tuple(spec if rank else None for rank in (k_rank, v_rank))
     cache = LatentCache.from_codecs(DynamicCache(config=CONFIG), {0: codec}, {0: specs})
     layer = cache.layers[0]
-    assert isinstance(layer, QuantizedLatentDynamicLayer)
+    assert all(isinstance(s, IntegerStore) == bool(r)
+               for s, r in ((layer.k_store, k_rank), (layer.v_store, v_rank)))
     gen = torch.Generator().manual_seed(seed)
     exact_k, exact_v = [], []
     for i, tokens in enumerate(chunks):
@@ -183,8 +184,8 @@ def test_layer_round_trip_within_half_a_step(bits, group, k_rank, v_rank, batch,
         exact_v.append(v)
         ek, ev = torch.cat(exact_k, dim=-2), torch.cat(exact_v, dim=-2)
         lk, lv = layer.latents()
-        half_step_error(layer, lk, ek, layer.k_quant)
-        half_step_error(layer, lv, ev, layer.v_quant)
+        half_step_error(layer.k_store if k_rank else None, lk, ek)
+        half_step_error(layer.v_store, lv, ev)
         torch.testing.assert_close(got_k, codec.expand(lk, lv)[0])
         torch.testing.assert_close(got_v, codec.expand(lk, lv)[1])
     length = sum(chunks)
@@ -219,13 +220,15 @@ def test_layer_round_trip_within_half_a_step(bits, group, k_rank, v_rank, batch,
         after_k, after_v = layer.latents()
         assert torch.equal(after_k, index(before_k)) and torch.equal(after_v, index(before_v))
         assert cache.get_seq_length() == length
-        if layer.k_quant is not None:  # only whole groups stay quantized
-            assert layer.k_quant.shape[-2] % group == 0 and layer.window_tokens()[0].shape[-2] < group
+        quantized = layer.k_store.quantized if k_rank else None
+        if quantized is not None:  # only whole groups stay quantized
+            assert quantized.shape[-2] % group == 0 and \
+                layer.k_store.window_tokens(layer.keys).shape[-2] < group
     # and it keeps growing after them
     more = torch.randn(batch, KV_HEADS, group, HEAD_DIM, generator=gen)
     cache.update(more, more, 0)
     assert cache.get_seq_length() == length + group
-    assert layer.window_tokens()[0].shape[-2] < group or k_rank == 0
+    assert k_rank == 0 or layer.k_store.window_tokens(layer.keys).shape[-2] < group
 
 
 def test_values_beside_unquantized_keys_settle_whole_groups():
@@ -241,9 +244,9 @@ def test_values_beside_unquantized_keys_settle_whole_groups():
         states = torch.randn(1, KV_HEADS, 1, HEAD_DIM, generator=gen)
         cache.update(states, states, 0)
         exact.append(codec.compress(states, states)[1])
-        half_step_error(layer, layer.latents()[1], torch.cat(exact, dim=-2), layer.v_quant)
-    keys, values = layer.window_tokens()
-    assert layer.v_quant.shape[-2] == 4 and values.shape[-2] == 1 and keys.shape[-2] == 5
+        half_step_error(layer.v_store, layer.latents()[1], torch.cat(exact, dim=-2))
+    keys, values = layer.keys, layer.v_store.window_tokens(layer.values)
+    assert layer.v_store.quantized.shape[-2] == 4 and values.shape[-2] == 1 and keys.shape[-2] == 5
 
 
 # ---------------------------------------------------------------- mixed plans: bytes measured
@@ -286,7 +289,7 @@ def test_measured_bits_are_the_plans_for_mixed_plans(model, mixed, bits, group, 
     assert cache.cache_bytes() == length * plan.cache_bytes_per_token(4)[1]
     assert cache.cached_values() == length * plan.cache_elements_per_token()[0]
     assert cache.bits_per_value() == pytest.approx(plan.bits_per_value, rel=1e-12)
-    assert any(isinstance(l, QuantizedLatentDynamicLayer) for l in cache.layers)
+    assert any(isinstance(getattr(l, "k_store", None), IntegerStore) for l in cache.layers)
 
 
 def test_sixteen_bit_latents_measure_sixteen_bits_per_value_at_full_width(model):

@@ -1,9 +1,10 @@
-"""Quantized latents in a static cache (``QuantizedLatentStaticLayer``): preallocated codes
+"""Quantized latents in a static cache (``LatentStaticLayer`` with ``IntegerStaticStore``
+sides): preallocated codes
 written in place at tensor positions, the current group re-quantized from its
 full-precision window at every write.
 
 The layer is checked against the exact latents (every cached token within half a step of
-its group's range) and against ``QuantizedLatentDynamicLayer`` fed the same tokens (whole
+its group's range) and against the dynamic layer's ``IntegerStore`` fed the same tokens (whole
 groups equal bit for bit; the dynamic layer holds the partial group in full precision, so
 there the two differ by up to half a step). Through a model: ``generate`` with
 ``cache_implementation="static"`` in both RoPE modes and for plain quantization, logits
@@ -21,8 +22,8 @@ from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
 from lorc_fx.cache.layers import LatentStaticLayer
-from lorc_fx.cache.quantize import QuantizedTensor, QuantSpec, quantize
-from lorc_fx.cache.quantized_static import QuantizedLatentStaticLayer
+from lorc_fx.codes.integer import QuantizedTensor, QuantSpec, quantize
+from lorc_fx.cache.stores.integer_static import IntegerStaticStore
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.options import PlanOptions
 from helpers.families import VOCAB, build, config_for
@@ -119,7 +120,7 @@ def test_layer_within_half_a_step_and_whole_groups_as_the_dynamic_layers(
     dynamic = LatentCache.from_codecs(DynamicCache(config=CONFIG), {0: codec},
                                       {0: (k_spec, v_spec)})
     layer, reference = static.layers[0], dynamic.layers[0]
-    assert isinstance(layer, QuantizedLatentStaticLayer)
+    assert isinstance(layer, LatentStaticLayer) and isinstance(layer.v_store, IntegerStaticStore)
     gen = torch.Generator().manual_seed(seed)
     exact_k = exact_v = None
     for i, step in enumerate([prefill, *steps]):
@@ -154,14 +155,15 @@ def test_layer_within_half_a_step_and_whole_groups_as_the_dynamic_layers(
         assert int(static.get_seq_length()) == n == dynamic.get_seq_length()
         lk, lv = layer.latents()
         assert bool(torch.isfinite(lk).all() and torch.isfinite(lv).all())  # masked, never NaN
-        assert_within_half_a_step(lk, exact_k, layer.k_codes, n)
-        assert_within_half_a_step(lv, exact_v, layer.v_codes, n)
-        assert_whole_groups_match(layer.k_codes, reference.k_quant, n)
-        assert_whole_groups_match(layer.v_codes, reference.v_quant, n)
+        k_codes, v_codes = (getattr(s, "codes", None) for s in (layer.k_store, layer.v_store))
+        assert_within_half_a_step(lk, exact_k, k_codes, n)
+        assert_within_half_a_step(lv, exact_v, v_codes, n)
+        assert_whole_groups_match(k_codes, getattr(reference.k_store, "quantized", None), n)
+        assert_whole_groups_match(v_codes, reference.v_store.quantized, n)
         if v_per_token:  # a token's codes are final as written
             q = quantize(exact_v, v_spec)
-            assert torch.equal(layer.v_codes.payload[:, :, :n], q.payload)
-            assert torch.equal(layer.v_codes.scale[:, :, :n], q.scale)
+            assert torch.equal(v_codes.payload[:, :, :n], q.payload)
+            assert torch.equal(v_codes.scale[:, :, :n], q.scale)
     # bytes: the whole allocation, measured
     slots, size = -(-max_len // group) + 1, dtype.itemsize
     expected = 0
@@ -192,7 +194,7 @@ def test_a_write_past_max_cache_len_fails_loudly():
 def test_16_bit_scales_compile_to_the_eager_codes(dtype):
     """Inductor elides a float round trip through a 16-bit dtype and steps ``nextafter`` in
     float32; the layer's rounding survives both, so compiled codes are eager's, bit for bit."""
-    from lorc_fx.cache.quantized_static import _write_groups
+    from lorc_fx.cache.stores.integer_static import _write_groups
 
     spec = QuantSpec.per_channel(8, 32)
     gen = torch.Generator().manual_seed(0)
@@ -265,7 +267,7 @@ def test_static_generate_with_padding_and_beams(model, inputs, kind):
         got = generate(model, ids, mask, "static", new_tokens=10)
         beams = generate(model, ids, mask, "static", new_tokens=4, num_beams=2)
         cache = got.past_key_values
-        assert all(isinstance(l, QuantizedLatentStaticLayer) for l in cache.layers)
+        assert all(isinstance(l.k_store, IntegerStaticStore) for l in cache.layers)
         assert (cache.rotary is not None) == (kind == "reconstruct")
         assert got.sequences.shape == reference.sequences.shape
         for step, (g, w) in enumerate(zip(got.logits, reference.logits)):
@@ -321,17 +323,17 @@ def test_measured_bytes_are_the_plans_plus_windows_and_spare_slots(
     ids = torch.randint(3, VOCAB, positions.shape, generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         model(ids, position_ids=positions, past_key_values=cache, use_cache=True)
-    specs = {l.layer: plan.side_groups(l) for l in plan.layers}
     extra = extra_bits = 0
     for l in plan.layers:
-        sides = [QuantSpec(bits, g, axis) if g else None for g, axis in specs[l.layer]]
+        sides = [l.k_code, l.v_code]
         extra += overhead_bytes(batch, sides, (l.k_rank, l.v_rank), 4)
         extra_bits += 8 * overhead_bytes(batch, sides, (l.k_rank, l.v_rank), 2)  # floats at 16
     assert cache.cache_bytes() == batch * max_len * plan.cache_bytes_per_token(4)[1] + extra
     assert cache.cache_bits() == batch * max_len * plan.bits_per_token(16) + extra_bits
     assert cache.cached_values() == batch * max_len * plan.cache_elements_per_token()[0]
-    quantized = [l for l in cache.layers if isinstance(l, QuantizedLatentStaticLayer)]
-    assert quantized and len(quantized) == sum(1 for s in specs.values() if s[0][0] or s[1][0])
+    quantized = [l for l in cache.layers if isinstance(getattr(l, "k_store", None), IntegerStaticStore)
+                 or isinstance(getattr(l, "v_store", None), IntegerStaticStore)]
+    assert quantized and len(quantized) == sum(1 for l in plan.layers if l.k_code or l.v_code)
 
 
 # ---------------------------------------------------------------- compiled

@@ -1,21 +1,20 @@
 """A vector plan through the cache: latents at full rank coded as product vector codes
-(``cache.vector_layers``), built as ``search.vector_bits`` builds it on a tiny random llama
+(``cache.stores.vector``), built as the ``vector`` scheme builds it on a tiny random llama
 (books fitted on its latents of random tokens, a few Lloyd iterations)."""
-from dataclasses import replace
-
 import pytest
 import torch
 
 from lorc_fx.analysis import analyze
 from lorc_fx.analysis.records import named_params
-from lorc_fx.api import compress, save_plan
+from lorc_fx.api import compress, load_plan, save_plan
 from lorc_fx.cache import latent_cache
-from lorc_fx.cache.vector_codes import BLOCK, decode
-from lorc_fx.cache.vector_layers import VectorCodedLatentLayer
+from lorc_fx.cache.stores.vector import VectorStore
+from lorc_fx.codes.vector import BLOCK, decode
 from lorc_fx.compile.backend import lorc_backend
+from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import layer_inputs
-from lorc_fx.search.vector_bits import (calibration_latents, coding_errors, fit_books,
-                                        vector_plan)
+from lorc_fx.schemes.vector import vector_plan
+from lorc_fx.search.codebooks import calibration_latents, coding_errors, fit_books
 from helpers.families import VOCAB, build, config_for
 from helpers.pass_helpers import compiled, generate, prompt
 
@@ -35,7 +34,7 @@ def plan(model):
     windows = torch.randint(3, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
     samples = calibration_latents(model, blocks, full, windows)
     books = fit_books(samples, WIDTHS, iters=3)
-    options = replace(full.options, bits_per_value=BUDGET)
+    options = PlanOptions.of(full.options, bits_per_value=BUDGET)
     inputs = layer_inputs(named_params(model), blocks)
     return vector_plan(full, inputs, options, books, coding_errors(samples, books), 0.5)
 
@@ -49,10 +48,10 @@ def forward(model, tokens, cache):
 
 
 def test_the_plan_codes_every_layer_within_the_budget(plan):
-    assert plan.kind == "vector"
+    assert plan.scheme.name == "vector"
     assert BUDGET - 0.5 < plan.bits_per_value <= BUDGET + 1e-9
     for l in plan.layers:
-        for book, rank in ((l.k_book, l.k_rank), (l.v_book, l.v_rank)):
+        for book, rank in ((l.k_code, l.k_rank), (l.v_code, l.v_rank)):
             assert book is not None and book.spec.width == rank > 0
             assert {b for _, b in book.spec.runs} <= set(WIDTHS)
 
@@ -69,10 +68,10 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
     for i in range(13, 29):
         forward(model, tokens[:, i:i + 1], steps)
     for a, b in zip(whole.layers, steps.layers):
-        assert isinstance(a, VectorCodedLatentLayer) and a.get_seq_length() == 29
+        assert isinstance(a.k_store, VectorStore) and a.get_seq_length() == 29
         for x, y in zip(a.latents(), b.latents()):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
-        side = a.k_side
+        side = a.k_store
         assert side.coded == 29 // BLOCK * BLOCK and a.keys.shape[-2] == 29 % BLOCK
         read = a.latents()[0]
         torch.testing.assert_close(read[:, :, 0], side.sink[:, :, 0])
@@ -81,7 +80,7 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
         assert side.codes.nbytes == side.book.spec.nbytes(2, side.coded)
     itemsize = 4  # float32 model
     r = sum(l.k_rank + l.v_rank for l in plan.layers)
-    codes = sum(side.codes.nbytes for l in whole.layers for side in (l.k_side, l.v_side))
+    codes = sum(side.codes.nbytes for l in whole.layers for side in (l.k_store, l.v_store))
     assert whole.cache_bytes() == (codes + 2 * r * itemsize * (1 + 29 % BLOCK)
                                    + sum(t.nbytes for t in whole.rotary.tensors()))
 
@@ -99,14 +98,14 @@ def test_crop_keeps_the_first_tokens_as_they_were_read(model, plan):
                 torch.testing.assert_close(x, y[:, :, :keep])
 
 
-def test_generate_continues_a_returned_cache_and_runs_beams(model, plan):
+def test_generate_continues_a_returned_cache_and_runs_beams(model, plan, tmp_path):
     """Greedy decode in two calls, the second continuing the first's cache, gives the tokens
     of one call (left padding in the batch); beams and batch expansion run; a static cache
-    and saving the plan are refused, naming why."""
+    is refused, naming why; the plan saved and loaded again gives the same tokens."""
     compress(model, plan=plan)
     ids, mask = prompt(length=6)
     once = generate(model, ids, mask, new_tokens=20)
-    assert isinstance(once.past_key_values.layers[0], VectorCodedLatentLayer)
+    assert isinstance(once.past_key_values.layers[0].k_store, VectorStore)
     first = generate(model, ids, mask, new_tokens=9)
     more = torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], dim=1)
     with torch.no_grad():
@@ -117,8 +116,10 @@ def test_generate_continues_a_returned_cache_and_runs_beams(model, plan):
     assert beams.sequences.shape == (4, 16)
     with pytest.raises(ValueError, match="dynamic cache"):
         generate(model, ids, mask, "static", new_tokens=2)
-    with pytest.raises(ValueError, match="vector-coded plan"):
-        save_plan(plan, "unused")
+    loaded = load_plan(save_plan(plan, tmp_path / "vector.safetensors"), model)
+    assert [l.k_code.spec for l in loaded.layers] == [l.k_code.spec for l in plan.layers]
+    compress(model, plan=loaded)
+    assert torch.equal(generate(model, ids, mask, new_tokens=20).sequences, once.sequences)
 
 
 def test_compiled_generate_gives_the_eager_tokens(model, plan, caplog):
@@ -126,7 +127,7 @@ def test_compiled_generate_gives_the_eager_tokens(model, plan, caplog):
     eager tokens; installing the plan says what the vector codes leave eager."""
     with caplog.at_level("WARNING", logger="lorc_fx.cache.install"):
         compress(model, plan=plan)
-    assert "decodes them eagerly" in caplog.text
+    assert "breaks the graph at the codes" in caplog.text
     ids, mask = prompt(length=6)
     eager = generate(model, ids, mask, new_tokens=10)
     with compiled(model, lorc_backend.with_options(inductor=False)):
@@ -147,6 +148,6 @@ def test_a_left_padded_row_keeps_its_first_token_as_it_came(model, plan):
     alone = generate(model, ids[1:, 2:], mask[1:, 2:], new_tokens=16)
     assert both.sequences[1, 2:7].tolist() == alone.sequences[0, :5].tolist()
     for padded, single in zip(both.past_key_values.layers, alone.past_key_values.layers):
-        assert padded.k_side.sink_at.tolist() == [0, 2] and single.k_side.coded >= 8
+        assert padded.k_store.sink_at.tolist() == [0, 2] and single.k_store.coded >= 8
         for x, y in zip(padded.latents(), single.latents()):  # the prompt and first new token
             torch.testing.assert_close(x[1, :, 2:7], y[0, :, :5], atol=1e-5, rtol=1e-5)

@@ -5,7 +5,6 @@ The plan is built as ``search.key_bits`` builds it (rounding errors measured thr
 latent cache of the full-rank plan, rows water-filled), on a tiny random llama, with groups of
 8 tokens so that a short generation settles several.
 """
-from dataclasses import replace
 
 import pytest
 import torch
@@ -16,14 +15,14 @@ from lorc_fx.analysis.records import named_params
 from lorc_fx.api import compress, load_plan, save_plan
 from lorc_fx.cache.latent_ops import DEQUANTIZE, dequantize_codes_math
 from lorc_fx.cache import latent_cache
-from lorc_fx.cache.quantize import SplitTensor
-from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
-from lorc_fx.cache.quantized_static import QuantizedLatentStaticLayer
+from lorc_fx.codes.integer import SplitTensor
+from lorc_fx.cache.stores.integer import IntegerStore
+from lorc_fx.cache.stores.integer_static import IntegerStaticStore
 from lorc_fx.compile.backend import lorc_backend
-from lorc_fx.plan.bit_allocation import keys_waterfilled_plan
+from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import key_energies, layer_inputs
 from lorc_fx.plan.schedules import UnreachableFraction
-from lorc_fx.search.key_bits import rounding_errors
+from lorc_fx.schemes.keys_waterfilled import rounding_errors, waterfilled_plan
 from helpers.families import VOCAB, build, config_for
 from helpers.pass_helpers import compiled, generate, prompt
 
@@ -44,8 +43,8 @@ def waterfilled(model, budget: float = BUDGET):
     windows = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
     rho = rounding_errors(model, blocks, full, windows, WIDTHS, GROUP)
     energies = key_energies(layer_inputs(named_params(model), blocks), full.options)
-    options = replace(full.options, bits_per_value=budget, latent_bits=4, latent_group=64)
-    return keys_waterfilled_plan(full, energies, rho, options, WIDTHS, GROUP)
+    options = PlanOptions.of(full.options, bits_per_value=budget, latent_bits=4, latent_group=64)
+    return waterfilled_plan(full, energies, rho, options, WIDTHS, GROUP)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +53,12 @@ def plan(model):
 
 
 def test_the_plan_keeps_rows_in_runs_of_one_width_within_the_budget(plan):
-    assert plan.kind == "keys_waterfilled"
+    assert plan.scheme.name == "keys_waterfilled"
     assert BUDGET - 0.5 < plan.bits_per_value <= BUDGET + 1e-9
     widths = set()
     for l in plan.layers:
-        assert sum(rows for rows, _ in l.k_bit_runs) == l.k_rank == len(l.k_basis) > 0
-        bits = [b for _, b in l.k_bit_runs]
+        assert sum(rows for rows, _ in l.k_code.parts) == l.k_rank == len(l.k_basis) > 0
+        bits = [b for _, b in l.k_code.parts]
         assert bits == sorted(set(bits), reverse=True)  # one run per width, widest first
         widths |= set(bits)
         assert l.v_rank == l.v_full and torch.equal(l.v_basis, torch.eye(l.v_full, dtype=torch.float64))
@@ -78,7 +77,8 @@ def test_measured_bytes_are_the_plans(model, plan):
                   position_ids=torch.arange(length).expand(batch, length), past_key_values=cache,
                   use_cache=True)
         layer = cache.layers[0]
-        assert isinstance(layer, QuantizedLatentDynamicLayer) and isinstance(layer.k_quant, SplitTensor)
+        assert isinstance(layer.k_store, IntegerStore)
+        assert isinstance(layer.k_store.quantized, SplitTensor)
         assert cache.cache_bytes() == batch * length * per_token
 
 
@@ -89,7 +89,7 @@ def test_generate_eager_compiled_static_beams_and_a_plan_file(model, plan, tmp_p
     compress(model, plan=plan)
     ids, mask = prompt(length=6)
     eager = generate(model, ids, mask, new_tokens=40)
-    assert eager.past_key_values.layers[0].k_quant is not None
+    assert eager.past_key_values.layers[0].k_store.quantized is not None
     backend = lorc_backend.with_options(inductor=False)
     graphs = []
     counters.clear()
@@ -107,7 +107,7 @@ def test_generate_eager_compiled_static_beams_and_a_plan_file(model, plan, tmp_p
     assert lowered and all(n.args[5] == -2 for n in lowered)  # per channel: keys
 
     static = generate(model, ids, mask, "static", new_tokens=12)
-    assert all(isinstance(l, QuantizedLatentStaticLayer) for l in static.past_key_values.layers)
+    assert all(isinstance(l.k_store, IntegerStaticStore) for l in static.past_key_values.layers)
     first, want = static.logits[0], eager.logits[0]  # the prefill's logits: whole groups agree
     assert (first - want).abs().max() / want.abs().max() < 0.25
     beams = generate(model, ids, mask, new_tokens=4, num_beams=2)
@@ -115,8 +115,8 @@ def test_generate_eager_compiled_static_beams_and_a_plan_file(model, plan, tmp_p
 
     path = save_plan(plan, tmp_path / "plan")
     loaded = load_plan(path)
-    assert loaded.kind == "keys_waterfilled"
-    assert [l.k_bit_runs for l in loaded.layers] == [l.k_bit_runs for l in plan.layers]
+    assert loaded.scheme.name == "keys_waterfilled"
+    assert [l.k_code for l in loaded.layers] == [l.k_code for l in plan.layers]
     compress(model, plan=path)
     again = generate(model, ids, mask, new_tokens=40)
     assert torch.equal(again.sequences, eager.sequences)
@@ -144,7 +144,7 @@ def test_other_families_cache_what_they_plan_and_compile_to_the_eager_tokens(fam
     whole groups hold the plan's bytes, and the compiled decode gives the eager tokens."""
     model = build(config_for(family, heads=4, kv_heads=4, layers=2, rotary=0.5))
     plan = waterfilled(model, budget=8.0)
-    assert all(l.k_bit_runs for l in plan.layers)
+    assert all(l.k_code.parts for l in plan.layers)
     report = compress(model, plan=plan)
     cache = latent_cache(model)
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """The compiled path over quantized caches (``latent_bits`` 8 or 4, dynamic cache).
 
 The attention functions of ``compile.quantized_attention`` read the sides a
-``QuantizedLatentDynamicLayer`` hands over (codes with spare slots, a window with spare rows)
+the dynamic layer's ``IntegerStore`` hands over (codes with spare slots, a window with spare rows)
 and must equal attention over the same sides dequantized; the absorb pass must put them in
 place of decode SDPA; and a compiled greedy ``generate`` must equal the eager one token for
 token, without graph breaks, in a handful of graphs, with every decode attention reading
@@ -24,8 +24,9 @@ from lorc_fx.analysis.records import named_params
 from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, dequantize_codes_math
-from lorc_fx.cache.quantize import QuantSpec
-from lorc_fx.cache.quantized_layers import QuantizedLatentDynamicLayer
+from lorc_fx.codes.integer import QuantSpec
+from lorc_fx.cache.layers import LatentDynamicLayer
+from lorc_fx.cache.stores.integer import IntegerStore
 from lorc_fx.compile.backend import LorcBackend, lorc_backend
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
 from lorc_fx.compile import quantized_attention
@@ -66,9 +67,10 @@ def side(store, window, tokens):
     return codes, window, tokens
 
 
-def sides(layer: QuantizedLatentDynamicLayer):
+def sides(layer: LatentDynamicLayer):
     tokens = layer.get_seq_length()
-    return (side(layer.k_store, layer.keys, tokens), side(layer.v_store, layer.values, tokens))
+    return tuple(side(getattr(store, "codes", None), window, tokens)
+                 for store, window in ((layer.k_store, layer.keys), (layer.v_store, layer.values)))
 
 
 def attention_mask(kind: str, batch: int, t: int, n: int, gen):
@@ -265,7 +267,7 @@ V_REST = {"plain": (4, GROUP, -1, 12, D, torch.float32),
 
 
 def decode_inputs(kind: str, window: str, t: int = 1):
-    from lorc_fx.cache.quantize import quantize
+    from lorc_fx.codes.integer import quantize
 
     gen = torch.Generator().manual_seed(0)
     width = D if kind == "plain" else 6
@@ -378,7 +380,7 @@ def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monk
     expected = generate(model, ids, mask, new_tokens=64)
     backend = lorc_backend.with_options(inductor=False)
     got, graphs, breaks = compiled_generate(model, backend, ids, mask, 64)
-    assert isinstance(got.past_key_values.layers[0], QuantizedLatentDynamicLayer)
+    assert isinstance(got.past_key_values.layers[0].k_store, IntegerStore)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
                                atol=1e-4, rtol=1e-4)
@@ -450,7 +452,7 @@ def test_the_lowered_dequantize_is_contiguous_so_prefill_keeps_the_fused_sdpa(la
     """SDPA's fused CPU kernel needs a last dim of stride 1; a per-channel side's codes
     unpack with the channel axis strided, and a compiled prefill over it fell back to unfused
     maths (2.3× slower at 4096 tokens)."""
-    from lorc_fx.cache.quantize import dequantize, quantize
+    from lorc_fx.codes.integer import dequantize, quantize
 
     x = torch.randn(1, 3, 100, 64)
     q = quantize(x, getattr(QuantSpec, layout)(8, 32, torch.float16))

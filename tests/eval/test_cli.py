@@ -40,7 +40,7 @@ def test_analyze_json(model_dir, tmp_path):
     ("plan", ["--skip-threshold", "-3"], "skip_threshold"),
     ("plan", ["--rank-multiple", "0"], "rank_multiple must be an integer >= 1"),
     ("plan", ["--rope", "sideways"], "unknown rope mode 'sideways'"),
-    ("plan", ["--calibration-tokens", "0"], "calibration tokens must be >= 1"),
+    ("plan", ["--calibration-tokens", "0"], "calibration tokens must be an integer >= 1"),
     ("eval", ["--prompts", "-1"], "prompts must be an integer >= 0, got -1"),
     ("eval", ["--window", "0"], "window must be an integer >= 2, got 0"),
     ("eval", ["--tokens", "100"], "tokens must be an integer >= 512, got 100"),

@@ -102,7 +102,7 @@ def count_collectives(directory: str, fraction: float, basis: str, **options) ->
                           ("compressed", CountingBackend(lorc_fx.lorc_backend))):
         if name == "compressed":
             report = compress(model, fraction, basis, **options)  # on the plain forward
-            result["kind"] = report.plan.kind
+            result["kind"] = report.plan.scheme.name
         torch._dynamo.reset()
         model.forward = torch.compile(model.forward, backend=backend)
         result[name] = {"tokens": generate(model)[0], "graphs": backend.graphs}
@@ -111,7 +111,7 @@ def count_collectives(directory: str, fraction: float, basis: str, **options) ->
 
 
 def other_caches_seen(model, report, out_dir: str) -> dict:
-    """Tokens (and cache layer types) of a static cache, and tokens after installing the
+    """Tokens (and the stores of its layers) of a static cache, and tokens after installing the
     whole plan again from a file rank 0 saved."""
     static = model.generate(torch.tensor(PROMPT), max_new_tokens=NEW_TOKENS, do_sample=False,
                             return_dict_in_generate=True, cache_implementation="static")
@@ -121,7 +121,8 @@ def other_caches_seen(model, report, out_dir: str) -> dict:
     dist.barrier()
     lorc_fx.compress(model, plan=path)
     return {"static_tokens": static.sequences[0].tolist(),
-            "static_layers": sorted({type(l).__name__ for l in static.past_key_values.layers}),
+            "static_stores": sorted({type(s).__name__ for l in static.past_key_values.layers
+                                     for s in (l.k_store, l.v_store)}),
             "saved_plan_tokens": generate(model)[0]}
 
 
@@ -136,7 +137,7 @@ def run(directory: str, fractions: list[float], compiled: bool, basis: str,
                  "bytes_per_token": report.cache_bytes_per_token(),
                  "bytes_per_token_per_shard": report.cache_bytes_per_token_per_shard(),
                  "ranks": [(l.k_rank, l.v_rank) for l in report.plan.layers],
-                 "kind": report.plan.kind, "latent_bits": report.plan.options.latent_bits,
+                 "kind": report.plan.scheme.name, "latent_bits": report.plan.options.latent_bits,
                  "shards": report.plan.options.shards, "report": str(report)}
         if other_caches:
             entry.update(other_caches_seen(model, report, out_dir))

@@ -1,5 +1,5 @@
 """The C++ kernel of ``lorc::code_scores`` / ``code_sums`` / ``code_attention`` against float64
-maths over the dequantized codes (``lorc_fx.cache.quantize``'s own ``dequantize``)."""
+maths over the dequantized codes (``lorc_fx.codes.integer``'s own ``dequantize``)."""
 from __future__ import annotations
 
 import platform
@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lorc_fx.cache.quantize import QuantSpec, quantize
+from lorc_fx.codes.integer import QuantSpec, quantize
 from lorc_fx.kernels import code_reductions
 
 X86_AVX2 = (platform.machine().lower() in ("x86_64", "amd64") and Path("/proc/cpuinfo").exists()

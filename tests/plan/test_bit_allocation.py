@@ -1,5 +1,4 @@
 """Bits per key latent row by reverse water-filling (``plan.bit_allocation``)."""
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 

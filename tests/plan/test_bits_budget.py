@@ -102,13 +102,14 @@ def test_plain_quantized_plan_is_full_width_identity(bits, group, head_dim, expe
     layers = random_layers(3, head_dim=head_dim)
     plan = plain_quantized_plan(layers, PlanOptions(latent_bits=bits, latent_group=group,
                                                     rope="reconstruct"), dtype_bits=16)
-    assert plan.kind == "plain" and plan.options.rope == "commute" and plan.rotary_log == 0
+    assert plan.scheme.name == "plain" and plan.options.rope == "commute" and plan.rotary_log == 0
     for layer in plan.layers:
         assert torch.equal(layer.k_basis, torch.eye(layer.k_full, dtype=torch.float64))
         assert torch.equal(layer.v_rebuild, torch.eye(layer.v_full, dtype=torch.float64))
         assert layer.k_latent_of == "post_rope" and not layer.skipped
-        assert plan.side_groups(layer) == ((group, -2), (min(group, head_dim), -1))
+        assert (layer.k_code.group, layer.k_code.axis) == (group, -2)
+        assert (layer.v_code.group, layer.v_code.axis) == (min(group, head_dim), -1)
     assert plan.bits_per_value == expected
     assert math.isclose(plan.cache_fraction, expected / 16)
     with pytest.raises(ValueError, match="latent_bits 8 or 4"):
-        plain_quantized_plan(layers, PlanOptions())
+        plain_quantized_plan(layers, PlanOptions(latent_bits=16))

@@ -218,7 +218,7 @@ def test_auto_rope_keeps_the_mode_with_the_lower_held_out_loss(loaded):
     assert held_out_loss(model, blocks, chosen) <= held_out_loss(model, blocks, other)
 
 
-@pytest.mark.parametrize("latent_bits", [None, 16])
+@pytest.mark.parametrize("latent_bits", ["auto", 16])
 def test_default_plan_beats_the_paper_on_data_error(loaded, latent_bits):
     """The default (measured bit widths; with 16-bit latents: the attention basis and the
     calibrated split) keeps the calibration loss closer to the full model's than the paper's
@@ -231,7 +231,7 @@ def test_default_plan_beats_the_paper_on_data_error(loaded, latent_bits):
     # 0.75: with no layer below one rank step, the paper's schedule reaches 0.625 here
     paper = plan(model, 0.75, basis="weight", schedule="progressive", blocks=blocks)
     ours = plan(model, 0.75, calibration=calib(text), blocks=blocks, latent_bits=latent_bits)
-    assert ours.kind == "plain" or ours.options.key_fraction is not None
+    assert ours.scheme.name == "plain" or ours.options.key_fraction is not None
     assert (calibration_loss(model, blocks, ours, windows) - full
             < calibration_loss(model, blocks, paper, windows) - full)
 

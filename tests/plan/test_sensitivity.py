@@ -9,7 +9,7 @@ from lorc_fx.analysis import analyze
 from lorc_fx.api import compress
 from lorc_fx.plan.calibration import owner_module
 from lorc_fx.plan.sensitivity import latent_sensitivities
-from lorc_fx.search.vector_bits import _coded_sides, calibration_latents
+from lorc_fx.search.codebooks import calibration_latents, coded_sides
 from helpers.families import VOCAB, build, config_for
 
 
@@ -77,7 +77,7 @@ def test_sensitivities_are_fisher_times_the_cached_latents_power(model, windows)
     blocks = analyze(model)
     plan = oblique(compress(model, 1.0, schedule="uniform", basis="weight",
                             rope="reconstruct").plan)
-    sides = _coded_sides(plan)
+    sides = coded_sides(plan)
     got = latent_sensitivities(model, blocks, plan, sides, windows)
     assert all(p.requires_grad and p.grad is None for p in model.parameters())  # as it was
     fisher = autograd_fisher(model, blocks, plan, windows)
@@ -93,6 +93,6 @@ def test_keys_cached_after_rope_have_no_sensitivity(model, windows):
     """Commuted keys are cached after RoPE: not a linear image of the projection's rows."""
     blocks = analyze(model)
     plan = compress(model, 1.0, schedule="uniform", basis="weight", rope="commute").plan
-    assert latent_sensitivities(model, blocks, plan, _coded_sides(plan), windows) is None
-    values = [s for s in _coded_sides(plan) if s[1] == "v"]
+    assert latent_sensitivities(model, blocks, plan, coded_sides(plan), windows) is None
+    values = [s for s in coded_sides(plan) if s[1] == "v"]
     assert set(latent_sensitivities(model, blocks, plan, values, windows)) == set(values)

@@ -4,15 +4,16 @@ Why (issue #13's low budgets): below about three bits per cached value, per-grou
 codes spend half a bit of every kept value on 16-bit scales and zero points, and a scalar
 code can spend neither a fraction of a bit nor what channels' values share. Coding each token's latent
 against codebooks fitted on calibration latents (the tables belong to the model, like its
-weights; no per-token metadata) is what bench/bit_waterfill.py measured closest to the
-rate-distortion bound (bench/results/bit_waterfill-cpu.md, docs/design.md "Quantized latents").
+weights; no per-token metadata) is what the bit water-filling exploration measured closest
+to the rate-distortion bound (bench/results/bit_waterfill-cpu.md, docs/findings.md,
+docs/schemes/vector.md "Why vector codes").
 
 Layout (:class:`VectorSpec`): the side's ``r`` channels in runs, each ``(channels, bits)``
 with ``bits`` per channel per token a multiple of 1/2, in channel order. A run is cut into
 sub-vectors of ``d = sub_dims(bits)`` consecutive channels; each sub-vector ``s`` has its own
 table of ``2^(d·bits)`` codewords, and a token stores the index of its nearest codeword:
 ``d·bits`` bits a sub-vector, so a run costs exactly ``channels·bits`` bits a token. Indices
-are packed along the token axis by :func:`quantize.pack_bits` (8 tokens' indices in
+are packed along the token axis by :func:`integer.pack_bits` (8 tokens' indices in
 ``d·bits`` bytes), so codes come in blocks of 8 tokens; a partial last block is padded with
 the last token and its bytes counted.
 
@@ -21,7 +22,7 @@ reconstructions (``(S, K, d)`` each): the reconstructions are the codewords, or 
 scaled about each channel's mean so that reconstructions keep the channel's variance
 (centroids shrink it; measured better on held-out text, same file).
 
-This module imports nothing from lorc_fx but ``quantize``'s packing.
+This module imports nothing from lorc_fx but ``integer``'s packing.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .quantize import pack_bits, unpack_bits
+from .integer import pack_bits, unpack_bits
 
 INDEX_BITS = 8  # at most 2^8 codewords a sub-vector: an index fits a byte
 VECTOR_WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3)  # widths coded in sub-vectors of more than one channel

@@ -1,10 +1,10 @@
-"""Product vector codes (lorc_fx.cache.vector_codes): layout, bit-exact round trip, bytes,
+"""Product vector codes (lorc_fx.codes.vector): layout, bit-exact round trip, bytes,
 nearest codewords, fitting and cutting an allocation's book from per-width books."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lorc_fx.cache.vector_codes import (BLOCK, VECTOR_WIDTHS, VectorBook, VectorSpec, decode,
+from lorc_fx.codes.vector import (BLOCK, VECTOR_WIDTHS, VectorBook, VectorSpec, decode,
                                         encode, fit, kmeans, nearest, select, sub_dims)
 
 WIDTHS = VECTOR_WIDTHS + (4, 5, 6)

@@ -1,11 +1,11 @@
-"""Group quantization of cache tensors (lorc_fx.cache.quantize): packing, round trip, bytes."""
+"""Group quantization of cache tensors (lorc_fx.codes.integer): packing, round trip, bytes."""
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lorc_fx.cache.quantize import (ChannelSplit, QuantSpec, SplitTensor, dequantize, map_batch,
+from lorc_fx.codes.integer import (ChannelSplit, QuantSpec, SplitTensor, dequantize, map_batch,
                                     pack_bits, pack_int4, quantize, round_to, token_count,
                                     token_slots, unpack_bits, unpack_int4)
 

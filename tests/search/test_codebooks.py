@@ -1,42 +1,44 @@
-"""Cached vector codebooks are reused under the bases they were fitted under, and only then."""
+"""Cached vector codebooks are reused under the bases they were fitted under, and only then;
+the vector scheme's allocation follows the weights it is given."""
 import logging
 from dataclasses import replace
 
 import torch
 
 from lorc_fx.plan.planner import PlanOptions, plan_layers
-from lorc_fx.search import vector_bits
+from lorc_fx.schemes.vector import vector_plan
+from lorc_fx.search import codebooks as codebooks
 from helpers.plan_inputs import random_layers
 
 
 def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch, caplog):
     full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
     gen = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(vector_bits, "_books_file", lambda model, plan: tmp_path / "books.pt")
-    monkeypatch.setattr(vector_bits, "calibration_latents", lambda model, blocks, plan, windows: {
-        side: torch.randn(300, 16, generator=gen) for side in vector_bits._coded_sides(plan)})
+    monkeypatch.setattr(codebooks, "_books_file", lambda model, plan: tmp_path / "books.pt")
+    monkeypatch.setattr(codebooks, "calibration_latents", lambda model, blocks, plan, windows: {
+        side: torch.randn(300, 16, generator=gen) for side in codebooks.coded_sides(plan)})
     fits = []
-    fit = vector_bits.fit_books
-    monkeypatch.setattr(vector_bits, "fit_books", lambda samples: fits.append(1) or fit(
-        samples, widths=vector_bits.WIDTHS, iters=2))
+    fit = codebooks.fit_books
+    monkeypatch.setattr(codebooks, "fit_books", lambda samples: fits.append(1) or fit(
+        samples, widths=codebooks.WIDTHS, iters=2))
 
-    books, rho = vector_bits.fitted_books(None, [], full, None)
-    again, rho_again = vector_bits.fitted_books(None, [], full, None)
+    books, rho = codebooks.fitted_books(None, [], full, None)
+    again, rho_again = codebooks.fitted_books(None, [], full, None)
     assert len(fits) == 1
     side = next(iter(books))
-    for b in vector_bits.WIDTHS:
+    for b in codebooks.WIDTHS:
         assert all(torch.equal(x, y) for x, y in zip(books[side][b].tables[0],
                                                      again[side][b].tables[0]))
         assert torch.equal(rho[side][b], rho_again[side][b])
 
     # what another thread count does to the bases (~1e-12): the books are still theirs
     nudged = [replace(l, k_basis=l.k_basis + 1e-10) for l in full.layers]
-    vector_bits.fitted_books(None, [], replace(full, layers=nudged), None)
+    codebooks.fitted_books(None, [], replace(full, layers=nudged), None)
     assert len(fits) == 1
     # a basis that moved: the books coded other latents, so they are fitted again, said once
     moved = [replace(l, v_basis=l.v_basis.flip(0)) for l in full.layers]
     with caplog.at_level(logging.WARNING, logger="lorc_fx"):
-        vector_bits.fitted_books(None, [], replace(full, layers=moved), None)
+        codebooks.fitted_books(None, [], replace(full, layers=moved), None)
     assert len(fits) == 2
     assert any("not those the cached codebooks" in r.getMessage() for r in caplog.records)
 
@@ -47,19 +49,19 @@ def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
     inputs = random_layers(0, n_layers=2)
     full = plan_layers(inputs, PlanOptions(1.0, "uniform", "reconstruct"))
     gen = torch.Generator().manual_seed(0)
-    sides = vector_bits._coded_sides(full)
+    sides = codebooks.coded_sides(full)
     samples = {side: torch.randn(400, 16, generator=gen) for side in sides}
-    books = vector_bits.fit_books(samples, widths=(1, 2, 4), iters=2)
-    rho = vector_bits.coding_errors(samples, books)
-    options = replace(full.options, bits_per_value=3.0)
+    books = codebooks.fit_books(samples, widths=(1, 2, 4), iters=2)
+    rho = codebooks.coding_errors(samples, books)
+    options = PlanOptions.of(full.options, bits_per_value=3.0)
 
     def bits(heavy: int) -> dict:
         weights = {side: torch.ones(16, dtype=torch.float64) * (1000 if side[0] == heavy else 1)
                    for side in sides}
-        plan = vector_bits.vector_plan(full, inputs, options, books, rho, 0.5, weights)
+        plan = vector_plan(full, inputs, options, books, rho, 0.5, weights)
         assert plan.bits_per_value <= 3.0 + 1e-9
-        return {(l.layer, s): getattr(l, f"{s}_book").spec.bits_per_token()
-                if getattr(l, f"{s}_book") is not None else 0.0
+        return {(l.layer, s): getattr(l, f"{s}_code").spec.bits_per_token()
+                if getattr(l, f"{s}_code") is not None else 0.0
                 for l in plan.layers for s in ("k", "v")}
 
     first, second = bits(0), bits(1)

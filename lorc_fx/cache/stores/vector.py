@@ -1,6 +1,5 @@
-"""A cache layer that stores latents as product vector codes (a plan of ``kind == "vector"``).
-
-Each latent side with a :class:`~lorc_fx.cache.vector_codes.VectorBook` is held as
+"""The dynamic store of a latent side stored as product vector codes
+(:class:`~lorc_fx.codes.vector.VectorBook`, the ``vector`` scheme's plans). It holds
 
 - **codes**: the indices of whole blocks of ``BLOCK`` (8) tokens, packed per run
   (``VectorCodes``: ``(b, S, blocks·index bits)`` uint8 each), the blocks aligned at cache
@@ -16,29 +15,27 @@ Each latent side with a :class:`~lorc_fx.cache.vector_codes.VectorBook` is held 
   stored too, so blocks stay aligned at position 0.
 
 What attention reads is ``cat([decode(codes), window])`` with each row's sink written over its
-position, rebuilt through the bases. A side without a book (kept raw, or not coded) lives whole in
-``keys`` / ``values``, as in :class:`LatentDynamicLayer`.
+position, rebuilt through the bases.
 
 A forward outside ``generate`` over a left-padded batch keeps position 0 of every row (a pad
-token in a padded row): this layer never reads the attention mask itself.
+token in a padded row): the store never reads the attention mask itself.
 
 ``crop`` keeps the whole blocks before the cut as they are and moves the kept tokens of the
 cut block back into the window, decoded (they are coded again, from their reconstructions,
 when the block fills). Beam reordering and batch repeat/select index codes, sinks and windows
 along batch. Coding and decoding run eagerly: under ``torch.compile`` they are left out of the
 graph (``torch.compiler.disable``), so a compiled model gives the eager tokens but no speed-up.
-A ``StaticCache`` of a vector plan is refused where the cache is built
-(``LatentCache.from_codecs``).
+There is no static store of vector codes: a ``StaticCache`` of a vector plan is refused where
+the cache is built (``stores.static_store``).
 """
 from __future__ import annotations
 
 import torch
 
-from .layers import LatentCodec, LatentDynamicLayer, StoresBesideWindow
-from .vector_codes import BLOCK, VectorBook, VectorCodes, decode, encode
+from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode, encode
 
 
-class VectorCodedSide:
+class VectorStore:
     """One side's codes and sink (its window is the layer's ``keys`` or ``values``)."""
 
     def __init__(self, book: VectorBook):
@@ -58,10 +55,23 @@ class VectorCodedSide:
         at = like.new_zeros(b, dtype=torch.long) if self.sink_at is None else self.sink_at
         return at.to(like.device).view(b, 1, 1, 1).expand(b, 1, 1, r)
 
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Each row's sink at ``positions`` ``(b,)`` (its first token after left padding)
+        instead of position 0; before the first tokens."""
+        if self.started:
+            raise ValueError("sinks are placed before the cache holds tokens")
+        self.sink_at = positions.long()
+
+    def tokens(self, window: torch.Tensor) -> int:
+        return self.coded + (window.shape[-2] if window.dim() == 4 else 0)
+
     @torch.compiler.disable
     def append(self, window: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``new`` latents ``(b, 1, n, r)`` after ``window``'s, the whole blocks coded; the
         window left (fewer than ``BLOCK`` tokens)."""
+        if window.dim() != 4:  # the layer's first update: an empty window
+            window = new[:, :, :0]
+            self.book = self.book.to(new.device)
         if not self.started:  # the first tokens: each row's sink among them
             self.started = True
             self.sink = new.gather(2, self._sink_index(new).clamp_max(new.shape[2] - 1)).clone()
@@ -120,104 +130,8 @@ class VectorCodedSide:
             self.codes = VectorCodes(self.codes.spec, tuple(fn(p) for p in self.codes.payload),
                                      self.codes.tokens)
 
-    def tensors(self) -> list[torch.Tensor]:
-        out = [] if self.sink is None else [self.sink]
+    def tensors(self, window: torch.Tensor) -> list[torch.Tensor]:
+        """The window, the sink and the packed indices (the book is the model's, like its
+        weights: ``VectorBook.nbytes``)."""
+        out = [window] + ([] if self.sink is None else [self.sink])
         return out + ([] if self.codes is None else list(self.codes.payload))
-
-
-class VectorCodedLatentLayer(StoresBesideWindow, LatentDynamicLayer):
-    """A growing cache of latents stored as product vector codes where ``k_book`` /
-    ``v_book`` say (``None``: that side kept in the latents' dtype), beside a window of
-    fewer than 8 tokens and a sink per side (module docstring)."""
-
-    def __init__(self, bases: LatentCodec, k_book: VectorBook | None, v_book: VectorBook | None,
-                 logs_rotary: bool = False):
-        if k_book is None and v_book is None:
-            raise ValueError("a vector-coded layer codes at least one side")
-        for book, basis, side in ((k_book, bases.k_basis, "key"), (v_book, bases.v_basis, "value")):
-            if book is not None and (basis is None or basis.shape[0] != book.spec.width):
-                raise ValueError(f"the {side} book codes {book.spec.width} latent channels, but "
-                                 f"the {side} basis has "
-                                 f"{'none (side kept raw)' if basis is None else basis.shape[0]}")
-        super().__init__(bases, logs_rotary)
-        self.k_side = None if k_book is None else VectorCodedSide(k_book)
-        self.v_side = None if v_book is None else VectorCodedSide(v_book)
-        self._books = (k_book, v_book)
-
-    def _sides(self):
-        return ((self.k_side, "keys"), (self.v_side, "values"))
-
-    def lazy_initialization(self, key_states, value_states):
-        super().lazy_initialization(key_states, value_states)
-        for side, _ in self._sides():
-            if side is not None:
-                side.book = side.book.to(key_states.device)
-
-    def place_sinks(self, positions: torch.Tensor) -> None:
-        """Each row's sink at ``positions`` ``(b,)`` (its first token after left padding)
-        instead of position 0; before the first update."""
-        for side, _ in self._sides():
-            if side is not None:
-                if side.started:
-                    raise ValueError("sinks are placed before the cache holds tokens")
-                side.sink_at = positions.long()
-
-    def get_seq_length(self) -> int:
-        """Tokens cached: the keys' coded tokens and window (a raw side holds them all)."""
-        if not self.is_initialized or self.keys is None or self.keys.dim() < 2:
-            return 0
-        return (0 if self.k_side is None else self.k_side.coded) + self.keys.shape[-2]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.logs_rotary:
-            self.bases.rotary.append(None)
-        new = self.bases.compress(key_states, value_states)
-        read = []
-        for (side, name), latent in zip(self._sides(), new):
-            held = getattr(self, name)
-            if side is None:
-                held = torch.cat([held, latent], dim=-2) if held.numel() else latent
-                setattr(self, name, held)
-                read.append(held)
-            else:
-                window = held if held.dim() == 4 else latent[:, :, :0]
-                setattr(self, name, side.append(window, latent))
-                read.append(side.read(getattr(self, name)))
-        return self.bases.expand(*read)
-
-    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every cached token's latents as attention reads them (decoded, sinks as they
-        came)."""
-        return tuple(getattr(self, name) if side is None else side.read(getattr(self, name))
-                     for side, name in self._sides())
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the layer holds: windows, sinks, packed indices (the books are the
-        model's, like its weights: ``VectorBook.nbytes``)."""
-        out = []
-        for side, name in self._sides():
-            out.append(getattr(self, name))
-            out += [] if side is None else side.tensors()
-        return [t for t in out if isinstance(t, torch.Tensor)]
-
-    def crop(self, tokens_to_remove: int) -> None:
-        keep = self._kept_after_crop(tokens_to_remove)
-        if keep is None:
-            return
-        for side, name in self._sides():
-            held = getattr(self, name)
-            setattr(self, name, held[:, :, :keep] if side is None else side.cut(held, keep))
-        if self._log() is not None:
-            self._log().crop(tokens_to_remove)
-
-    def _map_stores(self, fn) -> None:
-        for side, _ in self._sides():
-            if side is not None:
-                side.map_batch(fn)
-
-    def reset(self) -> None:
-        super().reset()
-        self.k_side = None if self._books[0] is None else VectorCodedSide(self._books[0])
-        self.v_side = None if self._books[1] is None else VectorCodedSide(self._books[1])

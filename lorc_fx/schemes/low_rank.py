@@ -1,0 +1,91 @@
+"""Low rank (LoRC, the paper's method): each layer's keys and values cached as latents of a
+basis, the rank per layer filling the budget (``planner.plan_layers``, the rank schedules),
+latents stored in the model's dtype or as 8- or 4-bit codes per channel over groups of G
+tokens; keys after RoPE (``commute``: absorbed at decode) or before it (``reconstruct``: the
+angle log kept, keys rebuilt every step).
+
+The search offers every RoPE mode at every latent width and group; with a calibrated basis
+and the calibrated schedule each measures its key/value split (``search.split``), once per
+mode and width (further group sizes reuse it).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import LayerInput, Plan, plan_layers
+from lorc_fx.plan.scheme import LOW_RANK, Capabilities, Scheme, rank_table, register
+from lorc_fx.search.context import CALIBRATED_BASES, Candidate, SearchContext
+from lorc_fx.search.split import held_out_loss, measured_split
+from torch import nn
+
+
+class LowRank(Scheme):
+    name = LOW_RANK
+    title = "low rank"
+    capabilities = Capabilities(static_cache=True, compiled_decode=True, shards=True)
+
+    def candidates(self, search: SearchContext) -> list[Candidate]:
+        """Every RoPE mode at every latent width (below 16 bits at every group, the first
+        group first)."""
+        return [Candidate(self._name(mode, bits, group), self.name,
+                          partial(self._build, search, mode, bits, group), mode, bits, group)
+                for mode in search.modes for bits in search.widths
+                for group in (search.groups if bits != 16 else search.groups[:1])]
+
+    @staticmethod
+    def _name(rope: str, bits: int, group: int) -> str:
+        stored = "16-bit latents" if bits == 16 else f"{bits}-bit latents, G{group}"
+        return f"low rank, {stored}, rope={rope}"
+
+    def _build(self, search: SearchContext, rope: str, bits: int, group: int
+               ) -> tuple[Plan, float | None]:
+        resolved, inputs, note = search.prepared(rope)
+        # RoPE modes are compared where the basis is calibrated; bit widths always
+        measured = search.measure and (resolved.basis in CALIBRATED_BASES or search.searched)
+        asked = replace(resolved, latent_bits=bits, latent_group=group,
+                        key_fraction=search.splits.get((rope, bits), resolved.key_fraction))
+        plan, loss = planned(search.model, search.blocks, asked, inputs, note, measured)
+        if len(search.groups) > 1:
+            search.splits.setdefault((rope, bits), plan.options.key_fraction)
+        return plan, loss
+
+    def how(self, plan: Plan) -> str:
+        o, (lo, hi) = plan.options, plan.reachable
+        return f"{o.schedule} schedule reaches [{lo:.3f}, {hi:.3f}]; basis={o.basis}, rope={o.rope}"
+
+    def summary(self, plan: Plan) -> str:
+        o = plan.options
+        full, kept = plan.cache_elements_per_token()
+        group = f" G{o.latent_group}" if o.latent_bits != 16 else ""
+        return (f"low rank ({kept / full:.2f} of the width), {o.latent_bits}-bit latents{group}, "
+                f"{o.rope}")
+
+    def describe(self, plan: Plan) -> list[str]:
+        o = plan.options
+        lines = rank_table(plan)
+        if o.latent_bits != 16:
+            lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups "
+                         f"of {o.latent_group} tokens (the last partial group in full precision)")
+        return lines
+
+
+def planned(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+            inputs: list[LayerInput], note: str, measure: bool) -> tuple[Plan, float | None]:
+    """The low-rank plan of ``options`` (their RoPE mode and latent bits) and, where
+    ``measure`` asks (or the split search measures anyway), its held-out calibration loss."""
+    loss = None
+    if options.basis in CALIBRATED_BASES and options.schedule == "calibrated" \
+            and options.key_fraction is None:
+        key_fraction, loss = measured_split(model, blocks, inputs, options)
+        options = replace(options, key_fraction=key_fraction)
+    plan = plan_layers(inputs, options)
+    plan.basis_note = note
+    if loss is None and measure:
+        loss = held_out_loss(model, blocks, plan)
+    return plan, loss
+
+
+register(LowRank())

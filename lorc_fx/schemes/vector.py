@@ -1,0 +1,190 @@
+"""Vector codes: every layer's keys (before RoPE) and values as latents of the calibrated
+basis at full rank, each tuple of ``TUPLE_DIMS`` latent channels at the bits a token its
+weight and measured coding error buy (0.5 to 6, or dropped), coded as indices into codebooks
+fitted by k-means on calibration latents (``search.codebooks``; no per-token scales), each
+row's first token kept as it came (the attention sink, ``cache.stores.vector``).
+
+Planned only where no plain quantization fits the budget (below 4.5 bits per value on the
+default model): its first fit takes minutes. A channel's relative error is weighed by the
+spectra's energies or by what the loss minds it (``plan.sensitivity``: diagonal Fisher times
+the channel's power, where a side's latent is linear in its projection); which weights, and
+which share of the bits the keys get (``KEY_SHARES``), are chosen together by the held-out
+calibration loss. The shares bracket the best found under either weighting (0.35-0.45 under
+the energies, 0.40-0.45 under the sensitivities at 1.92-3 bits, in the run behind
+bench/results/bits_pareto-cpu.md, which logs each at INFO); the sensitivities had the lower
+held-out loss there, by 0.002-0.007 nats, small enough that the energies stay a candidate.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.codes.vector import VectorBook, select
+from lorc_fx.plan.calibration import calibration_tokenizer, calibration_windows
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plain_quantized_plan,
+                                  plan_layers, value_energies)
+from lorc_fx.plan.schedules import UnreachableFraction
+from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
+from lorc_fx.plan.sensitivity import Side, latent_sensitivities
+from lorc_fx.plan.vector_allocation import code_budget, vector_bits
+from lorc_fx.search.candidates import over_budget
+from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, coded_sides, fitted_books
+from lorc_fx.search.context import Candidate, SearchContext
+from lorc_fx.search.split import held_out_loss
+
+KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
+
+log = logging.getLogger(__name__)
+
+
+class Vector(Scheme):
+    name = "vector"
+    title = "vector codes"
+    capabilities = Capabilities(static_cache=False, compiled_decode=False, shards=False)
+
+    def candidates(self, search: SearchContext) -> list[Candidate]:
+        """One, where the storage is searched and keys may be cached before RoPE."""
+        if not (search.searched and "reconstruct" in search.modes):
+            return []
+        name = (f"vector codes (tuples of {TUPLE_DIMS} latent channels at "
+                f"{min(WIDTHS):g}-{max(WIDTHS):g} bits), rope=reconstruct")
+        return [Candidate(name, self.name, lambda: self._build(search, name), "reconstruct", 16,
+                          search.groups[0])]
+
+    def _build(self, search: SearchContext, name: str) -> tuple[Plan, float | None]:
+        if search.options.shards > 1:
+            raise UnreachableFraction(f"{name}: not planned over shards", math.inf)
+        cheapest = plain_quantized_plan(search.layer_inputs(), search.candidate_options(
+            "commute", min(search.widths), max(search.groups)))
+        if not over_budget(cheapest):
+            raise UnreachableFraction(f"{name}: planned only where plain quantization does not "
+                                      "fit the budget", math.inf)
+        resolved, inputs, note = search.prepared("reconstruct")
+        plan, loss = vector_candidate(search.model, search.blocks, resolved, inputs, note)
+        return plan, loss if search.measure else None
+
+    def how(self, plan: Plan) -> str:
+        o = plan.options
+        return f"vector codes; basis={o.basis}, rope={o.rope}"
+
+    def summary(self, plan: Plan) -> str:
+        channels, _ = _channels_per_width(plan)
+        full, _ = plan.cache_elements_per_token()
+        widths = " / ".join(f"{channels[b]}×{b:g}" for b in sorted(channels, reverse=True))
+        return f"vector codes ({widths}-bit channels of {full}), {plan.options.rope}"
+
+    def describe(self, plan: Plan) -> list[str]:
+        channels, table_bytes = _channels_per_width(plan)
+        full = sum(l.k_full + l.v_full for l in plan.layers if not l.skipped)
+        widths = ", ".join(f"{channels[b]} at {b:g}" for b in sorted(channels, reverse=True))
+        return rank_table(plan) + [
+            f"vector codes: each latent channel at the bits a token its energy and measured "
+            f"coding error buy, or dropped ({sum(channels.values())} of {full} channels kept: "
+            f"{widths} bits), in tuples of channels coded as indices into codebooks fitted on "
+            f"calibration latents (no scales); the codebooks take {table_bytes / 2**20:.1f} MiB, "
+            "the model's like its weights, not counted in bits per value; each sequence's first "
+            "token is kept in full precision (the attention sink), counted as if sequences "
+            "were 512 tokens; the last partial block of 8 tokens is kept in full precision"]
+
+
+def _channels_per_width(plan: Plan) -> tuple[dict[float, int], int]:
+    """Latent channels stored at each width, all layers, and the bytes of the books' tables."""
+    channels: dict[float, int] = {}
+    table_bytes = 0
+    for l in plan.layers:
+        for book in (l.k_code, l.v_code):
+            if isinstance(book, VectorBook):
+                table_bytes += book.nbytes
+                for count, bits in book.spec.runs:
+                    channels[bits] = channels.get(bits, 0) + count
+    return channels, table_bytes
+
+
+def _coded(layer: LayerPlan, side: str, bits: list[float], books: dict[float, VectorBook],
+           energy: torch.Tensor, tuple_dims: int) -> LayerPlan:
+    """``layer`` keeping the channels of ``side`` with nonzero ``bits``, coded by the book cut
+    from ``books`` (``energy``: the channels' spectrum energies)."""
+    basis, rebuild = getattr(layer, f"{side}_basis"), getattr(layer, f"{side}_rebuild")
+    if any(bits):
+        book, kept = select(books, bits, tuple_dims)
+    else:
+        book, kept = None, torch.zeros(0, dtype=torch.long)
+    total = float(energy.sum())
+    return replace(layer, **{f"{side}_rank": len(kept), f"{side}_basis": basis[kept],
+                             f"{side}_rebuild": rebuild[kept], f"{side}_code": book,
+                             f"{side}_energy_kept": float(energy[kept].sum()) / total
+                             if total > 0 else 1.0})
+
+
+def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
+                books: dict[Side, dict[float, VectorBook]],
+                rho: dict[Side, dict[float, torch.Tensor]], key_share: float,
+                weights: dict[Side, torch.Tensor] | None = None,
+                tuple_dims: int = TUPLE_DIMS) -> Plan:
+    """The vector plan at ``options``' budget from ``full`` (full rank, its basis rows in the
+    order of the energies of ``inputs``) with ``books`` and their errors ``rho``, each
+    channel's relative error weighed by ``weights`` (``plan.sensitivity``; ``None``: the
+    spectra's energies)."""
+    sides = coded_sides(full)
+    keys = [s for s in sides if s[1] == "k"]
+    values = [s for s in sides if s[1] == "v"]
+    if not keys or not values:
+        raise UnreachableFraction("vector codes: no layer caches both key and value latents", 0.0)
+    index = {l.layer: i for i, l in enumerate(full.layers)}
+    k_energy, v_energy = key_energies(inputs, options), value_energies(inputs)
+
+    def weight(side: Side) -> torch.Tensor:
+        if weights is not None:
+            return weights[side]
+        return (k_energy if side[1] == "k" else v_energy)[index[side[0]]]
+
+    k_bits, v_bits = vector_bits([weight(s) for s in keys], [weight(s) for s in values],
+                                 [rho[s] for s in keys], [rho[s] for s in values],
+                                 code_budget(full, options), key_share, tuple_dims)
+    layers = list(full.layers)
+    for (layer, side), bits in [*zip(keys, k_bits), *zip(values, v_bits)]:
+        i = index[layer]
+        energy = (k_energy if side == "k" else v_energy)[i]
+        layers[i] = _coded(layers[i], side, bits, books[layer, side], energy, tuple_dims)
+    plan = replace(full, layers=layers, options=options, scheme=VECTOR)
+    size = options.budget.of(plan)
+    plan.reachable = (size, size)
+    return plan
+
+
+def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                     inputs: list[LayerInput], note: str) -> tuple[Plan, float]:
+    """The vector plan at ``options``' budget (``options.rope`` resolved to ``reconstruct``,
+    its basis to the one ``inputs`` carry) with the least held-out loss over the channels'
+    weights (the spectra's energies, the loss's sensitivities where measurable) and the keys'
+    share of ``KEY_SHARES``, and that loss."""
+    full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
+                                       latent_bits=16, key_fraction=None))
+    calibration = options.calibration
+    windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
+    books, rho = fitted_books(model, blocks, full, windows)
+    weightings = {"the spectra's energies": None}
+    sensitivities = latent_sensitivities(model, blocks, full, coded_sides(full), windows)
+    if sensitivities is not None:
+        weightings["the loss's sensitivities"] = sensitivities
+    best = None
+    for (name, weights), share in itertools.product(weightings.items(), KEY_SHARES):
+        plan = vector_plan(full, inputs, options, books, rho, share, weights)
+        loss = held_out_loss(model, blocks, plan)
+        log.info("vector codes, channels weighed by %s, keys' share %.2f: held-out loss %.4f",
+                 name, share, loss)
+        if best is None or loss < best[0]:
+            best = (loss, plan)
+    loss, plan = best
+    plan.basis_note = note
+    return plan, loss
+
+
+VECTOR = register(Vector())

@@ -1,0 +1,93 @@
+"""Choose how the cache is stored by measuring the loss each candidate causes at one budget.
+
+At a byte budget, fewer bits per latent buy more rank: 4-bit latents at 0.5 of the full
+width cost about what 16-bit latents at 0.15 do. Which trade is best depends on the model
+and the budget, and the error models of the rank planner do not see quantization, so the
+candidates are measured: every registered storage scheme (``lorc_fx.schemes``) offers its
+candidates for the budget (plain KV-cache quantization at each width and group, keys
+water-filled, vector codes, and for each RoPE mode, latent bit width and group size the
+calibrated rank planner filling the budget). Each is scored by its loss on held-out
+calibration windows through the real latent cache; the least loss wins, and the plan
+records every candidate measured.
+
+Plain quantization is measured first, widest first: it needs no calibration of a basis, and
+where 8-bit codes fit the budget they cost nothing measurable (×1.0003 perplexity on the
+default model, bench/results/kv_quant_baseline-cpu.md). A candidate whose loss is within
+``NEGLIGIBLE_LOSS`` of the uncompressed model's ends the search: no other candidate can
+beat it by more than that, and the low-rank candidates after it each cost a calibration and
+a key/value split search (minutes).
+"""
+from __future__ import annotations
+
+import math
+
+from lorc_fx.plan.planner import Plan
+from lorc_fx.plan.scheme import SCHEMES
+from lorc_fx.plan.schedules import UnreachableFraction
+
+from .context import Candidate, SearchContext
+
+# nats per token: a held-out loss this close to the uncompressed model's is ×1.002 perplexity
+# at most, below the spread between evaluation texts (bench/results/bits_pareto-cpu.md)
+NEGLIGIBLE_LOSS = 0.002
+
+
+def over_budget(plan: Plan) -> bool:
+    """Whether ``plan`` holds more than its budget by more than one rank step (the rank
+    schedules snap to the nearest step, so a plan may exceed its budget by less)."""
+    o, budget = plan.options, plan.budget
+    full, _ = plan.cache_elements_per_token()
+    _, float_bits = budget.bits(plan.dtype_bits)
+    step = o.rank_multiple * o.latent_bits_per_value(float_bits) / full
+    return budget.of(plan) > budget.value + budget.of_bits(step, plan.dtype_bits) + 1e-9
+
+
+def candidates(search: SearchContext) -> list[Candidate]:
+    """Every registered scheme's candidates for ``search``, in the order the schemes were
+    registered (plain quantization first: it needs no calibration)."""
+    return [c for scheme in SCHEMES.values() for c in scheme.candidates(search)]
+
+
+def best_candidate(listed: list[Candidate], progress: bool = True,
+                   enough: float | None = None) -> tuple[Plan, float | None]:
+    """The plan of the candidate with the least held-out loss, and that loss (each
+    ``Candidate.build`` plans one and measures its loss, or returns ``None`` where nothing can
+    be measured: then the first that plans wins). Candidates out of reach of the budget
+    (``UnreachableFraction``) or over it (``over_budget``, where there is more than one
+    candidate) are left out; where none plans, the first refusal is raised. A loss at most ``enough`` ends the search. The
+    plan returned records every candidate measured, best first, in ``Plan.candidates``."""
+    from tqdm.auto import tqdm
+
+    planned: list[tuple[float, Candidate, Plan]] = []
+    refused: list[UnreachableFraction] = []
+    bar = tqdm(listed, desc="measuring plan candidates", unit="candidate",
+               disable=not progress or len(listed) < 2)
+    for candidate in bar:
+        bar.set_postfix_str(candidate.name)
+        try:
+            plan, loss = candidate.build()
+        except UnreachableFraction as err:
+            refused.append(err)
+            continue
+        if len(listed) > 1 and over_budget(plan):  # compared at equal bytes only
+            refused.append(UnreachableFraction(f"{candidate.name} is over the budget", math.inf))
+            continue
+        if loss is None:  # nothing to compare on: the first candidate that plans
+            bar.close()
+            return plan, None
+        planned.append((loss, candidate, plan))
+        if enough is not None and loss <= enough:
+            bar.set_postfix_str(f"{candidate.name}: within noise of the full cache, search ends")
+            break
+    bar.close()
+    if not planned:
+        raise refused[0]
+    planned.sort(key=lambda p: p[0])
+    best = planned[0][2]
+    if len(listed) > 1:
+        best.candidates = [{"candidate": c.name, "scheme": c.scheme, "rope": c.rope,
+                            "latent_bits": c.latent_bits, "latent_group": c.latent_group,
+                            "loss": None if math.isinf(loss) else loss,
+                            "bits_per_value": p.bits_per_value,
+                            "cache_fraction": p.cache_fraction} for loss, c, p in planned]
+    return best, planned[0][0]

@@ -1,0 +1,152 @@
+"""What the storage schemes plan their candidates from: one model, its attention blocks, the
+options asked, and the choices the search tries (RoPE modes, latent bit widths, group sizes),
+with what several candidates share computed once."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
+from lorc_fx.cache import layers_kept_as_built
+from lorc_fx.plan.bases import resolve
+from lorc_fx.plan.options import AUTO, LATENT_BITS, LATENT_GROUPS, PlanOptions
+from lorc_fx.plan.planner import LayerInput, Plan, layer_inputs
+
+# bases measured on calibration text; with them the calibrated schedule measures its split too
+CALIBRATED_BASES = frozenset({"whitened", "attention"})
+
+
+@dataclass
+class Candidate:
+    """One plan a scheme offers: ``build()`` plans it and measures its held-out loss (``None``
+    where the search measures nothing), or raises ``UnreachableFraction`` where it does not
+    fit the budget."""
+
+    name: str
+    scheme: str
+    build: Callable[[], tuple[Plan, float | None]]
+    rope: str = "commute"
+    latent_bits: int = 16
+    latent_group: int = LATENT_GROUPS[0]
+
+
+@dataclass
+class SearchContext:
+    """``options`` as the search plans them (the calibration text usable, the shards and the
+    basis resolved; ``rope``, ``latent_bits`` and ``latent_group`` still as asked), the
+    ``modes``, ``widths`` and ``groups`` tried, and whether candidates are ``measure``d."""
+
+    model: nn.Module
+    blocks: list[AttentionBlock]
+    options: PlanOptions
+    modes: list[str]
+    widths: tuple[int, ...]
+    groups: tuple[int, ...]
+    measure: bool
+    calibrates: bool = False  # a basis or a target measured on calibration text
+    # the keys' share measured per (rope, bits) at this budget, reused by further groups
+    splits: dict[tuple[str, int], float] = field(default_factory=dict)
+    # what does not depend on the budget, shared by the contexts ``at_budget`` makes
+    _inputs: list[LayerInput] | None = None
+    _prepared: dict[str, tuple[str, list[LayerInput], str]] = field(default_factory=dict)
+
+    @property
+    def searched(self) -> bool:
+        """Whether the storage is searched (``latent_bits="auto"`` where candidates can be
+        measured): only then do the schemes other than low rank at one width offer plans."""
+        return len(self.widths) > 1
+
+    def candidate_options(self, rope: str, latent_bits: int, latent_group: int,
+                          **more) -> PlanOptions:
+        return replace(self.options, rope=rope, latent_bits=latent_bits,
+                       latent_group=latent_group, **more)
+
+    def at_budget(self, cache_fraction: float, measure: bool) -> "SearchContext":
+        """The search at another cache fraction (the target's search measures several)."""
+        options = replace(self.options, cache_fraction=cache_fraction, bits_per_value=None,
+                          max_ppl_increase=None)
+        return replace(self, options=options, measure=measure, splits={})
+
+    def layer_inputs(self) -> list[LayerInput]:
+        """The layers' weights and layouts, with the layers transformers builds its own cache
+        layer for marked (they stay full, as built)."""
+        if self._inputs is None:
+            self._inputs = model_layer_inputs(self.model, self.blocks, self.options.shards)
+        return self._inputs
+
+    def prepared(self, rope: str) -> tuple[PlanOptions, list[LayerInput], str]:
+        """For RoPE mode ``rope``: the options with the basis resolved, the layers' inputs
+        with the bases' metrics attached, and the basis note (once per mode)."""
+        if rope not in self._prepared:
+            options = replace(self.options, rope=rope)
+            basis, metrics, note = resolve(options.basis, self.model, self.blocks, options)
+            inputs = model_layer_inputs(self.model, self.blocks, options.shards)
+            block_of = {b.layer: b for b in self.blocks}
+            for layer in inputs:
+                metric = metrics.get(layer.layer)
+                if metric is not None:
+                    layer.input_gram = metric.input_gram
+                    layer.k_spectrum, layer.v_spectrum = metric.k_spectrum, metric.v_spectrum
+                    if metric.k_of_cached_keys and not layer.compress_k \
+                            and not layer.kept_as_built and block_of[layer.layer].k_path == "norm":
+                        layer.compress_k, layer.keys_after_rope = True, True
+                        layer.note = "keys behind a norm: basis of the keys the cache receives"
+            self._prepared[rope] = basis, inputs, note
+        basis, inputs, note = self._prepared[rope]
+        return replace(self.options, rope=rope, basis=basis), inputs, note
+
+
+def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: int
+                       ) -> list[LayerInput]:
+    """:func:`~lorc_fx.plan.planner.layer_inputs` of ``model``, with the layers transformers
+    builds its own cache layer for marked (they stay full, as built)."""
+    inputs = layer_inputs(named_params(model), blocks, shards)
+    kept = layers_kept_as_built(getattr(model, "config", None))
+    for layer in inputs:
+        if layer.layer in kept:
+            layer.compress_k = layer.compress_v = False
+            layer.kept_as_built = True
+            layer.note = (f"kept full: transformers builds its own {kept[layer.layer]} cache "
+                          "layer here")
+    return inputs
+
+
+def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock],
+               objective: str = "quality") -> list[str]:
+    """The RoPE modes to plan: ``auto`` tries ``commute`` and, for ``objective="quality"``
+    where every rotary attention module takes the step's angles as ``position_embeddings``
+    (the latent cache needs them to rotate rebuilt keys), ``reconstruct``; for
+    ``objective="speed"`` only ``commute``, whose keys absorbed attention reads without
+    rebuilding them. An explicit ``reconstruct`` on a model whose attention does not take
+    the angles is refused."""
+    rotary = [b for b in blocks if b.supported and b.rope_k.style != "none"]
+    hands_angles = all(
+        "position_embeddings" in inspect.signature(attention_module(model, b).forward).parameters
+        for b in rotary)
+    if rope == AUTO:
+        both = rotary and hands_angles and objective == "quality"
+        return ["commute", "reconstruct"] if both else ["commute"]
+    if rope == "reconstruct" and not hands_angles:
+        raise ValueError(
+            f"rope='reconstruct' needs the RoPE angles of each step, but the attention modules "
+            f"of {type(model).__name__} do not take `position_embeddings`; use rope='commute'")
+    return [rope]
+
+
+def bit_choices(latent_bits: int | str, searchable: bool) -> tuple[int, ...]:
+    """The latent bit widths to plan: the one asked, else (``"auto"``) all of
+    ``LATENT_BITS`` where the plan can measure them (``searchable``), else 16."""
+    if latent_bits != AUTO:
+        return (latent_bits,)
+    return LATENT_BITS if searchable else (16,)
+
+
+def group_choices(latent_group: int | None, widths: tuple[int, ...]) -> tuple[int, ...]:
+    """The group sizes to plan: the one asked, else both of ``LATENT_GROUPS`` where the bit
+    width is searched, else the first."""
+    if latent_group is not None:
+        return (latent_group,)
+    return LATENT_GROUPS if len(widths) > 1 else LATENT_GROUPS[:1]
