@@ -1,22 +1,41 @@
-"""Decode attention over the LoRC latent vs SDPA over the full KV cache, one Llama-3-8B-like layer.
+"""One decode step of attention over each cache scheme the planner picks, against SDPA over the
+16-bit cache, on a Llama-3-8B-shaped layer (32 query heads, 8 KV heads, head dim 128).
 
-    python bench/decode_attention.py [--batches 1 4 16 32] [--contexts 1024 ...] [--fractions ...]
+    python bench/decode_attention.py [--batches 1 8 16] [--contexts 4096 8192 16384 32768]
+        [--schemes sdpa int8 int4 latent4 latent16 vector] [--out STEM] [--smoke]
 
-Layer: 32 query heads, 8 KV heads, head dim 128; latent widths ``r_k = r_v = fraction * 1024``.
-Per (batch, context, fraction) it times, for one decode step:
+Per (batch, context), one query token against ``context`` cached tokens:
 
-- ``sdpa``: ``scaled_dot_product_attention`` (``enable_gqa``) over the full K/V cache;
-- ``latent``: ``lorc::latent_decode`` alone (the query and output already absorbed);
-- ``absorbed``: the absorbed query projection + ``lorc::latent_decode`` + the per-head output
-  expansion ``P_v^T``, i.e. what replaces SDPA in a model;
-- ``reconstruct``: ``lorc::reconstruct_decode`` (keys rebuilt and rotated per tile).
+- ``sdpa``: ``scaled_dot_product_attention`` (``enable_gqa``) over the 16-bit K/V cache, the
+  flash backend on a GPU (the report names the backend that ran);
+- ``int8`` / ``int4``: a plain plan (keys per channel in groups of 64 tokens, values per token
+  in groups of 64 channels, 16-bit scales and zero points: 8.5 / 4.5 bits a value) read by
+  ``compile.quantized_attention.quantized_kv_attention``;
+- ``latent4``: 4-bit post-RoPE latents (per channel, groups of 32 tokens) at the rank that
+  makes 2.56 bits a value, read by ``quantized_latent_attention`` (bases absorbed);
+- ``latent16``: 16-bit latents of half the K/V width through ``latent_attention``, whose
+  decode step on CUDA is the Triton kernel ``lorc::latent_decode``;
+- ``vector``: 2.5-bit vector codes of full-width latents (``codes.vector``, what the
+  planner picks below 4.5 bits). No kernel reads them yet (issue #37): the row times what a
+  vector-coded cache does today, ``vector_codes.decode`` of both sides and then
+  ``latent_attention``, and says so.
 
-Bandwidth: bytes of cache read / time (the latents, or the full K and V), and that as a fraction
-of device copy bandwidth (a large ``clone``: bytes read + written / time). On a GPU the ops run
-the Triton kernels in bfloat16 (timed with ``triton.testing.do_bench``, median); without one the
-ops run their torch path in float32 on a few small shapes with one thread (the Triton interpreter
-is far too slow to time). Results go to ``bench/results/decode_attention-<machine>.{json,md}``.
-Everything runs eagerly, so each op call includes the custom-op dispatch (a few microseconds).
+The code-reading schemes (int8, int4, latent4) are traced with ``make_fx`` and compiled by
+Inductor, as ``lorc_backend`` compiles the functions it puts in place of SDPA, once per shape
+(their side arguments are static); each compiled result is checked against the same function
+run eagerly. Sides are whole static buffers of codes (no full-precision window), as a static
+cache hands them over.
+
+Bandwidth: ``GB/s`` = bytes the scheme reads from the cache (codes, scales and zero points, or
+latents, or K and V) / time; ``%copy`` = that / a large device-to-device copy's bandwidth
+(bytes read + written / time). On a GPU: bfloat16, ``triton.testing.do_bench`` (median, L2
+flushed between calls). On a CPU: float32, one thread, the minimum over repeated calls.
+``--smoke`` runs the same code on a toy layer (4/2 heads, head dim 64) at toy contexts with the
+compiled schemes run as traced (no Inductor): the GPU suite's ``--cpu-smoke``.
+
+Shapes run in priority order (batch >= 8 at >= 8k first, the goals of issue #39), and the report
+is rewritten after every row, so a run cut short keeps what it measured:
+``STEM.json`` and ``STEM.md`` (default ``bench/results/decode_attention-<machine>``).
 """
 from __future__ import annotations
 
@@ -34,10 +53,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: 2 threads cost ~8
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import lorc_fx.kernels  # noqa: E402,F401  (registers torch.ops.lorc)
+from lorc_fx.codes import vector as vector_codes  # noqa: E402
+from lorc_fx.codes.integer import QuantSpec, quantize  # noqa: E402
+from lorc_fx.compile.latent_attention import latent_attention  # noqa: E402
+from lorc_fx.compile.quantized_attention import (quantized_kv_attention,  # noqa: E402
+                                                 quantized_latent_attention)
 
-HEADS, KV_HEADS, HEAD_DIM, ROPE_THETA = 32, 8, 128, 500000.0
 RESULTS = Path(__file__).resolve().parent / "results"
+SCHEMES = ("sdpa", "int8", "int4", "latent4", "latent16", "vector")
+COMPILED = ("int8", "int4", "latent4")
+PLAIN_GROUP, LATENT_GROUP = 64, 32  # the planner's: plain plans at 8.5 / 4.5 bits, latents
+LATENT4_BITS, VECTOR_BITS = 2.56, 2.5  # bits per cached value of the low-bit schemes
+LAYERS = {"llama3-8b": (32, 8, 128), "toy": (4, 2, 64)}  # query heads, KV heads, head dim
+CHECKED_TOKENS = 1 << 16  # batch × context up to which compiled results are checked
 
 
 def gpu_timer(fn) -> float:
@@ -71,178 +99,373 @@ def orthonormal_rows(rank: int, width: int, device, dtype) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(width, rank, device=device))[0].T.contiguous().to(dtype)
 
 
+def coded_side(x: torch.Tensor, spec: QuantSpec):
+    """``x (b, h, n, w)`` quantized as a static cache hands a side to the absorb pass:
+    ``((payload, scale, zero, bits, group, axis, length, width, dtype), None, None)``, the
+    tensors contiguous as the cache stores them."""
+    q = quantize(x, spec)
+    axis = -2 if spec.axis % 4 == 2 else -1
+    codes = (q.payload.contiguous(), q.scale.contiguous(), q.zero.contiguous(), spec.bits,
+             spec.group, axis, x.shape[2], x.shape[3], x.dtype)
+    return codes, None, None
+
+
+def side_tensors(side) -> list[torch.Tensor]:
+    return list(side[0][:3])
+
+
+def with_tensors(side, tensors):
+    """``side`` with its payload, scale and zero point replaced (the traced inputs)."""
+    codes, window, tokens = side
+    return (*tensors, *codes[3:]), window, tokens
+
+
+def latent4_rank(kv_width: int) -> int:
+    """The rank (a multiple of 8) whose 4-bit codes, with a 16-bit scale and zero point per
+    ``LATENT_GROUP`` tokens, cost ``LATENT4_BITS`` per full K/V value."""
+    per_value = 4 + 2 * 16 / LATENT_GROUP
+    return max(8, int(LATENT4_BITS / per_value * kv_width) // 8 * 8)
+
+
+def vector_side(batch: int, n: int, width: int, device, dtype, gen):
+    """Random ``VECTOR_BITS`` codes of a ``(batch, n, width)`` latent and a random book of the
+    layout ``vector_codes`` fits (timing does not depend on the values)."""
+    spec = vector_codes.VectorSpec(((width, VECTOR_BITS),))
+    (_, subs, d, index_bits), = spec.layout()
+    tables = tuple(torch.randn(subs, 1 << index_bits, d, generator=gen, device=device).to(dtype)
+                   for _ in range(2))
+    book = vector_codes.VectorBook(spec, (tables,))
+    blocks = -(-n // vector_codes.BLOCK)
+    payload = torch.randint(0, 256, (batch, subs, blocks * index_bits), generator=gen,
+                            device=device, dtype=torch.uint8)
+    return vector_codes.VectorCodes(spec, (payload,), n), book
+
+
 class Layer:
-    """Random inputs for one decode step at ``(batch, context, rank)``."""
+    """One decode step's inputs at ``(batch, context)`` for every scheme asked, and its calls
+    (``calls``; a scheme whose set-up failed, e.g. out of memory, has its error in
+    ``errors`` instead)."""
 
-    def __init__(self, batch: int, context: int, rank: int, device, dtype):
-        g = torch.Generator(device=device).manual_seed(0)
-        randn = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)  # noqa: E731
-        kv_width = KV_HEADS * HEAD_DIM
-        self.q = randn(batch, HEADS, HEAD_DIM)
-        self.k = randn(batch, KV_HEADS, context, HEAD_DIM)
-        self.v = randn(batch, KV_HEADS, context, HEAD_DIM)
-        self.c_k, self.c_v = randn(batch, 1, context, rank), randn(batch, 1, context, rank)
-        self.p_k = orthonormal_rows(rank, kv_width, device, dtype)
-        self.p_v = orthonormal_rows(rank, kv_width, device, dtype)
-        group = HEADS // KV_HEADS  # per-query-head blocks of the bases: (H, d, r), (H, r, d)
-        blocks_k = self.p_k.view(rank, KV_HEADS, HEAD_DIM)
-        blocks_v = self.p_v.view(rank, KV_HEADS, HEAD_DIM)
-        self.q_proj = blocks_k.permute(1, 2, 0).repeat_interleave(group, 0)
-        self.o_proj = blocks_v.permute(1, 0, 2).repeat_interleave(group, 0)
-        self.q_latent = torch.einsum("bhd,hdr->bhr", self.q, self.q_proj)
-        self.positions = torch.arange(context, device=device).expand(batch, context)
-        self.inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM)
-        self.scale = 1 / math.sqrt(HEAD_DIM)
+    def __init__(self, shape: tuple[int, int, int], batch: int, context: int, schemes, device,
+                 dtype, compile_fn):
+        heads, self.kv_heads, head_dim = shape
+        self.batch, self.context, self.device, self.dtype = batch, context, device, dtype
+        self.compile_fn, self.kv_width = compile_fn, self.kv_heads * head_dim
+        self.gen = torch.Generator(device=device).manual_seed(0)
+        self.scale = 1 / math.sqrt(head_dim)
+        self.scale_dtype = dtype if dtype.itemsize == 2 else torch.float16
+        self.q = self.randn(batch, heads, 1, head_dim)
+        self.calls, self.bytes, self.eager, self.errors = {}, {}, {}, {}
+        for name in schemes:
+            try:
+                getattr(self, f"_set_up_{name}")()
+            except Exception as error:  # the other schemes still run
+                self.errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
 
-    def sdpa(self):
-        return F.scaled_dot_product_attention(self.q[:, :, None], self.k, self.v, scale=self.scale,
-                                              enable_gqa=True)
+    def randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, device=self.device).to(self.dtype)
 
-    def latent(self):
-        return torch.ops.lorc.latent_decode(self.q_latent, self.c_k, self.c_v, self.scale)
+    def raw(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The uncompressed keys and values ``(b, h_kv, n, d)``, made once."""
+        if not hasattr(self, "kv"):
+            d = self.kv_width // self.kv_heads
+            self.kv = tuple(self.randn(self.batch, self.kv_heads, self.context, d) for _ in "kv")
+        return self.kv
 
-    def absorbed(self):
-        q_latent = torch.einsum("bhd,hdr->bhr", self.q, self.q_proj)
-        o = torch.ops.lorc.latent_decode(q_latent, self.c_k, self.c_v, self.scale)
-        return torch.einsum("bhr,hrd->bhd", o, self.o_proj)
+    def _compiled(self, name: str, fn, sides):
+        """``fn(q, *the sides' tensors)`` traced and compiled; its eager run kept to check it
+        where that is cheap (its reductions materialise a float32 copy of the codes per query
+        head)."""
+        from torch.fx.experimental.proxy_tensor import make_fx
 
-    def reconstruct(self):
-        return torch.ops.lorc.reconstruct_decode(self.q, self.c_k, self.c_v, self.p_k,
-                                                 self.positions, self.inv_freq, self.scale)
+        inputs = [self.q, *side_tensors(sides[0]), *side_tensors(sides[1])]
+        compiled = self.compile_fn(make_fx(fn)(*inputs), inputs)
+        self.calls[name] = lambda: compiled(*inputs)
+        if self.batch * self.context <= CHECKED_TOKENS:
+            self.eager[name] = lambda: fn(*inputs)
+        self.bytes[name] = sum(t.nbytes for t in inputs[1:])
+
+    def _set_up_sdpa(self):
+        k, v = self.raw()
+        self.calls["sdpa"] = lambda: F.scaled_dot_product_attention(
+            self.q, k, v, scale=self.scale, enable_gqa=True)
+        self.bytes["sdpa"] = k.nbytes + v.nbytes
+
+    def _set_up_plain(self, bits: int):
+        k, v = self.raw()
+        sides = (coded_side(k, QuantSpec.per_channel(bits, PLAIN_GROUP, self.scale_dtype)),
+                 coded_side(v, QuantSpec.per_token(bits, PLAIN_GROUP, self.scale_dtype)))
+        self._compiled(f"int{bits}", lambda q, *t: quantized_kv_attention(
+            q, with_tensors(sides[0], t[:3]), with_tensors(sides[1], t[3:]), scale=self.scale),
+            sides)
+
+    def _set_up_int8(self):
+        self._set_up_plain(8)
+
+    def _set_up_int4(self):
+        self._set_up_plain(4)
+
+    def _set_up_latent4(self):
+        rank = latent4_rank(self.kv_width)
+        p_k, p_v = (orthonormal_rows(rank, self.kv_width, self.device, self.dtype) for _ in "kv")
+        spec = QuantSpec.per_channel(4, LATENT_GROUP, self.scale_dtype)
+        sides = tuple(coded_side(self.randn(self.batch, 1, self.context, rank), spec)
+                      for _ in "kv")
+        self._compiled("latent4", lambda q, *t: quantized_latent_attention(
+            q, with_tensors(sides[0], t[:3]), with_tensors(sides[1], t[3:]), p_k, p_v,
+            self.kv_heads, scale=self.scale), sides)
+
+    def _set_up_latent16(self):
+        rank = self.kv_width // 2
+        bases = [orthonormal_rows(rank, self.kv_width, self.device, self.dtype) for _ in "kv"]
+        latents = [self.randn(self.batch, 1, self.context, rank) for _ in "kv"]
+        self.calls["latent16"] = lambda: latent_attention(self.q, *latents, *bases,
+                                                          self.kv_heads, scale=self.scale)
+        self.bytes["latent16"] = sum(c.nbytes for c in latents)
+
+    def _set_up_vector(self):
+        bases = [orthonormal_rows(self.kv_width, self.kv_width, self.device, self.dtype)
+                 for _ in "kv"]
+        coded = [vector_side(self.batch, self.context, self.kv_width, self.device, self.dtype,
+                             self.gen) for _ in "kv"]
+
+        def call():
+            c_k, c_v = (vector_codes.decode(codes, book).unsqueeze(1) for codes, book in coded)
+            return latent_attention(self.q, c_k, c_v, *bases, self.kv_heads, scale=self.scale)
+        self.calls["vector"] = call
+        self.bytes["vector"] = sum(codes.nbytes for codes, _ in coded)
 
 
-def check_gpu_kernels(device) -> dict:
-    """Relative error of both Triton kernels against their float32 torch path on one shape."""
-    from lorc_fx.kernels.reference import latent_decode_reference, reconstruct_decode_reference
-
-    layer = Layer(2, 1000, 200, device, torch.bfloat16)
-    c_k, c_v = layer.c_k[:, 0], layer.c_v[:, 0]
-    ref_latent = latent_decode_reference(layer.q_latent[:, :, None], c_k, c_v, layer.scale,
-                                         dtype=torch.float32)[:, :, 0]
-    ref_recon = reconstruct_decode_reference(layer.q[:, :, None], c_k, c_v, layer.p_k,
-                                             layer.positions, layer.inv_freq, layer.scale,
-                                             dtype=torch.float32)[:, :, 0]
-    rel = lambda out, ref: ((out.float() - ref).norm() / ref.norm()).item()  # noqa: E731
-    errors = {"latent": rel(layer.latent(), ref_latent),
-              "reconstruct": rel(layer.reconstruct(), ref_recon)}
-    if max(errors.values()) > 2e-2:
-        raise SystemExit(f"Triton kernels disagree with the torch path: {errors}")
-    return errors
+def output(result):
+    """A compiled function's output (Inductor returns a list)."""
+    return result[0] if isinstance(result, (list, tuple)) else result
 
 
-def measure(batch: int, context: int, fraction: float, device, dtype, timer, copy_gbs) -> dict:
-    rank = round(fraction * KV_HEADS * HEAD_DIM)
-    layer = Layer(batch, context, rank, device, dtype)
-    item = torch.finfo(dtype).bits // 8
-    full_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * item
-    latent_bytes = 2 * batch * context * rank * item
-    row = dict(batch=batch, context=context, fraction=fraction, rank=rank)
-    for name in ("sdpa", "latent", "absorbed", "reconstruct"):
-        ms = timer(getattr(layer, name))
-        gbs = (full_bytes if name == "sdpa" else latent_bytes) / ms / 1e6
-        row[name] = dict(ms=ms, gb_per_s=gbs, copy_fraction=gbs / copy_gbs)
-    for name in ("latent", "absorbed", "reconstruct"):
-        row[f"{name}_over_sdpa"] = row[name]["ms"] / row["sdpa"]["ms"]
-    del layer
-    return row
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def machine() -> dict:
+def sdpa_backend(device, shape, dtype) -> tuple[str, object]:
+    """The flash SDPA backend on a GPU where it takes a decode call of this layer (a context
+    manager to run SDPA in), else torch's own choice (``None``)."""
+    if device.type != "cuda":
+        return "default (CPU)", None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads, head_dim = shape
+    q = torch.randn(1, heads, 1, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(1, kv_heads, 64, head_dim, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except RuntimeError as error:
+        return f"default (flash refused: {str(error).splitlines()[0][:100]})", None
+    return "flash", sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def measure(layer: Layer, schemes, timer, copy_gbs: float, values: int, sdpa_context) -> dict:
+    """Each scheme's time, bandwidth and check, or its error."""
+    row = {name: dict(error=error) for name, error in layer.errors.items()}
+    for name in layer.calls:
+        call = layer.calls[name]
+        if name == "sdpa" and sdpa_context is not None:
+            call = in_context(call, sdpa_context)
+        try:
+            ms = timer(call)
+            gbs = layer.bytes[name] / ms / 1e6
+            entry = dict(ms=ms, bytes=layer.bytes[name], gb_per_s=gbs,
+                         copy_fraction=gbs / copy_gbs,
+                         bits_per_value=8 * layer.bytes[name] / values)
+            if name in layer.eager:
+                entry["rel_err_vs_eager"] = rel_err(output(call()), layer.eager[name]())
+        except Exception as error:  # e.g. out of memory: the other schemes still run
+            entry = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        row[name] = entry
+    if "ms" in row.get("sdpa", {}):
+        for entry in row.values():
+            if "ms" in entry:
+                entry["over_sdpa"] = entry["ms"] / row["sdpa"]["ms"]
+    return {name: row[name] for name in schemes if name in row}
+
+
+def in_context(fn, context):
+    """``fn`` run inside ``context`` (a reusable context manager) at every call."""
+    def run():
+        with context:
+            return fn()
+    return run
+
+
+def priority(shape: tuple[int, int], goal: tuple[int, int]) -> tuple:
+    """Goal shapes first (longest and largest first), then the rest largest first."""
+    batch, context = shape
+    return (not (batch >= goal[0] and context >= goal[1]), -context, -batch)
+
+
+def machine(device) -> dict:
     info = dict(torch=torch.__version__, python=platform.python_version())
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         import triton
 
         info.update(device=torch.cuda.get_device_name(), triton=triton.__version__)
     else:
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), platform.processor())
-        info.update(device=f"CPU: {cpu}, {os.cpu_count()} cores",
-                    threads=torch.get_num_threads())
+        info.update(device=f"CPU: {cpu}, {os.cpu_count()} cores", threads=torch.get_num_threads())
     return info
+
+
+NOTES = {
+    "sdpa": "SDPA over the K/V cache in the model's dtype (16-bit on a GPU)",
+    "int8": "plain 8-bit KV codes, read by quantized_kv_attention (compiled)",
+    "int4": "plain 4-bit KV codes, read by quantized_kv_attention (compiled)",
+    "latent4": f"4-bit latents ({LATENT4_BITS} bits a value), read by "
+               "quantized_latent_attention (compiled)",
+    "latent16": "16-bit latents of half the width, latent_attention (lorc::latent_decode on CUDA)",
+    "vector": f"{VECTOR_BITS}-bit vector codes: NO code-reading kernel yet (#37); decoded, then "
+              "latent_attention",
+}
+# issue #39's goals at batch >= 8 and >= 8k tokens (``--smoke``: its own toy shape): time
+# against SDPA's, per scheme
+GOAL_SHAPE = (8, 8192)
+GOAL_RATIO = {"int8": 0.6, "latent4": 0.25, "vector": 0.25}
+GOAL_COPY = 0.7  # of the copy bandwidth, every code-reading scheme
+
+
+def goal_lines(report: dict) -> list[str]:
+    """Each goal shape's verdict: the code-reading schemes' share of the copy bandwidth and
+    their time against SDPA's."""
+    lines, (batch, context) = [], report["goal_shape"]
+    for r in report["rows"]:
+        if not (r["batch"] >= batch and r["context"] >= context):
+            continue
+        for s in ("int8", "int4", "latent4", "vector"):
+            e = r.get(s)
+            if e is None or "error" in e:
+                continue
+            verdicts = [f"{100 * e['copy_fraction']:.0f}% of copy "
+                        + ("met" if e["copy_fraction"] >= GOAL_COPY else "MISSED")
+                        + f" (goal {100 * GOAL_COPY:.0f}%)"]
+            if s in GOAL_RATIO and "over_sdpa" in e:
+                verdicts.append(f"×{e['over_sdpa']:.2f} SDPA "
+                                + ("met" if e["over_sdpa"] <= GOAL_RATIO[s] else "MISSED")
+                                + f" (goal ≤ ×{GOAL_RATIO[s]})")
+            lines.append(f"- B={r['batch']} N={r['context']} {s}: " + "; ".join(verdicts))
+    return lines
 
 
 def markdown(report: dict) -> str:
     m = report["machine"]
+    heads, kv_heads, head_dim = report["layer"]
     lines = [
-        "# Decode attention: LoRC latent vs SDPA",
+        "# Decode attention over each cache scheme vs SDPA over the uncompressed cache",
         "",
-        "One Llama-3-8B-like layer: 32 query heads, 8 KV heads, head dim 128.",
+        f"One layer: {heads} query heads, {kv_heads} KV heads, head dim {head_dim}; one query "
+        f"token. Machine: {m['device']}; torch {m['torch']}"
+        + (f", triton {m['triton']}" if "triton" in m else f", {m['threads']} thread(s)") + ".",
+        f"dtype {report['dtype']}; SDPA backend {report['sdpa_backend']}; copy bandwidth "
+        f"{report['copy_gb_per_s']:.1f} GB/s (large copy, bytes read + written); timing: "
+        f"{report['timing']}; compiled: {report['compiler']}."
+        + ("" if report["complete"] else " **Cut short: rows missing.**"),
         "",
-        f"Machine: {m['device']}; torch {m['torch']}"
-        + (f", triton {m['triton']}" if "triton" in m else f", {m['threads']} thread(s)"),
-        f"dtype {report['dtype']}; ops path: {report['path']}; copy bandwidth "
-        f"{report['copy_gb_per_s']:.1f} GB/s (large tensor copy, bytes read + written); "
-        f"timing: {report['timing']}.",
-    ]
-    if "kernel_check" in report:
-        lines.append(f"Kernel check (rel. error vs float32 torch path): {report['kernel_check']}")
-    lines += [
+        *(f"- `{s}`: {NOTES[s]}" for s in report["schemes"]),
         "",
-        "GB/s = cache bytes read / time (full K+V for SDPA, the two latents otherwise); "
-        "%copy = that / copy bandwidth.",
+        "bits = cache bits read per K/V value; GB/s = cache bytes read / time; %copy = that / "
+        "copy bandwidth; ×SDPA = time / SDPA's; err = relative error of the compiled function "
+        "against itself run eagerly.",
         "",
-        "| B | N | fraction | r | SDPA ms | SDPA %copy | latent ms | latent GB/s | latent %copy "
-        "| latent/SDPA | absorbed ms | absorbed/SDPA | reconstruct ms | reconstruct/SDPA |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | N | scheme | bits | ms | GB/s | %copy | ×SDPA | err |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['fraction']} | {r['rank']} "
-            f"| {r['sdpa']['ms']:.3f} | {100 * r['sdpa']['copy_fraction']:.0f}% "
-            f"| {r['latent']['ms']:.3f} | {r['latent']['gb_per_s']:.1f} "
-            f"| {100 * r['latent']['copy_fraction']:.0f}% | {r['latent_over_sdpa']:.2f} "
-            f"| {r['absorbed']['ms']:.3f} | {r['absorbed_over_sdpa']:.2f} "
-            f"| {r['reconstruct']['ms']:.3f} | {r['reconstruct_over_sdpa']:.2f} |")
+        for s in report["schemes"]:
+            e = r.get(s)
+            if e is None:
+                continue
+            if "error" in e:
+                lines.append(f"| {r['batch']} | {r['context']} | {s} | error: {e['error']} |")
+                continue
+            ratio, err = e.get("over_sdpa"), e.get("rel_err_vs_eager")
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {s} | {e['bits_per_value']:.2f} "
+                f"| {e['ms']:.3f} | {e['gb_per_s']:.0f} | {100 * e['copy_fraction']:.0f}% "
+                f"| {'–' if ratio is None else f'{ratio:.2f}'} "
+                f"| {'–' if err is None else f'{err:.1e}'} |")
+    goals = goal_lines(report)
+    if goals:
+        batch, context = report["goal_shape"]
+        lines += ["", f"Goals (issue #39, batch ≥ {batch} at ≥ {context} tokens):", "", *goals]
     return "\n".join(lines) + "\n"
+
+
+def write(report: dict, stem: Path) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_name(stem.name + ".json").write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_name(stem.name + ".md").write_text(markdown(report))
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--contexts", type=int, nargs="+")
-    parser.add_argument("--fractions", type=float, nargs="+")
+    parser.add_argument("--schemes", nargs="+", choices=SCHEMES, default=list(SCHEMES))
+    parser.add_argument("--out", type=Path, help="results stem (STEM.json, STEM.md)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="toy layer and contexts, compiled schemes run as traced")
     args = parser.parse_args(argv)
 
-    gpu = torch.cuda.is_available()
+    gpu = torch.cuda.is_available() and not args.smoke
     if gpu:
+        from torch._inductor.compile_fx import compile_fx
+
         device, dtype, timer = torch.device("cuda"), torch.bfloat16, gpu_timer
-        batches, contexts = [1, 4, 16, 32], [1024, 4096, 8192, 16384, 32768]
-        fractions = [1.0, 0.6, 0.5, 0.3]
+        compile_fn = compile_fx
+        layer_name, batches, contexts = "llama3-8b", [1, 8, 16], [4096, 8192, 16384, 32768]
         copy_gbs = copy_bandwidth(device, 1 << 30, timer)
-        path, timing = "Triton kernels", "triton.testing.do_bench median"
+        timing, compiler = "triton.testing.do_bench median", "make_fx + Inductor"
     else:
-        print("No GPU present: timing the ops' torch path (float32, 1 thread) against SDPA on "
-              "small shapes; Triton-interpreter shapes are skipped.")
         torch.set_num_threads(1)
-        device, dtype, timer = torch.device("cpu"), torch.float32, cpu_timer
-        batches, contexts, fractions = [1], [1024, 4096], [0.5, 0.3]
-        copy_gbs = copy_bandwidth(device, 1 << 28, timer)
-        path, timing = "torch fallback", "minimum over >= 1 s of calls (shared machine)"
+        device, dtype = torch.device("cpu"), torch.float32
+        if args.smoke:
+            layer_name, batches, contexts = "toy", [1, 2], [128]
+            timer = lambda fn: cpu_timer(fn, 0.02)  # noqa: E731
+            compile_fn, compiler = (lambda gm, inputs: gm), "make_fx only (smoke)"
+            copy_gbs = copy_bandwidth(device, 1 << 24, timer)
+        else:
+            from torch._inductor.compile_fx import compile_fx
+
+            layer_name, batches, contexts = "llama3-8b", [1], [1024, 4096]
+            timer, compile_fn, compiler = cpu_timer, compile_fx, "make_fx + Inductor"
+            copy_gbs = copy_bandwidth(device, 1 << 28, timer)
+        timing = "minimum over repeated calls (shared machine)"
     batches, contexts = args.batches or batches, args.contexts or contexts
-    fractions = args.fractions or fractions
+    shape = LAYERS[layer_name]
+    backend, sdpa_context = sdpa_backend(device, shape, dtype)
 
-    report = dict(machine=machine(), dtype=str(dtype).removeprefix("torch."), path=path,
-                  timing=timing, copy_gb_per_s=copy_gbs, rows=[])
-    if gpu:
-        report["kernel_check"] = check_gpu_kernels(device)
-    print(f"{report['machine']['device']}: copy bandwidth {copy_gbs:.1f} GB/s")
-    for batch in batches:
-        for context in contexts:
-            for fraction in fractions:
-                row = measure(batch, context, fraction, device, dtype, timer, copy_gbs)
-                report["rows"].append(row)
-                print(f"B={batch:<3} N={context:<6} f={fraction:<4} r={row['rank']:<5} "
-                      f"sdpa {row['sdpa']['ms']:8.3f} ms  latent {row['latent']['ms']:8.3f} ms "
-                      f"({row['latent']['gb_per_s']:7.1f} GB/s, "
-                      f"{100 * row['latent']['copy_fraction']:3.0f}% copy)  "
-                      f"absorbed {row['absorbed']['ms']:8.3f} ms  "
-                      f"reconstruct {row['reconstruct']['ms']:8.3f} ms")
-
+    report = dict(machine=machine(device), layer=list(shape),
+                  dtype=str(dtype).removeprefix("torch."),
+                  schemes=args.schemes, sdpa_backend=backend, copy_gb_per_s=copy_gbs,
+                  timing=timing, compiler=compiler, goal_shape=(2, 128) if args.smoke
+                  else GOAL_SHAPE, complete=False, rows=[])
     slug = re.sub(r"[^a-z0-9]+", "-", (report["machine"]["device"] if gpu else "cpu").lower())
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"decode_attention-{slug.strip('-')}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
+    stem = args.out or RESULTS / f"decode_attention-{slug.strip('-')}"
+    print(f"{report['machine']['device']}: copy bandwidth {copy_gbs:.1f} GB/s", flush=True)
+    shapes = sorted(((b, c) for b in batches for c in contexts),
+                    key=lambda bc: priority(bc, report["goal_shape"]))
+    for batch, context in shapes:
+        layer = Layer(shape, batch, context, args.schemes, device, dtype, compile_fn)
+        measured = measure(layer, args.schemes, timer, copy_gbs,
+                           2 * batch * context * shape[1] * shape[2], sdpa_context)
+        report["rows"].append(dict(batch=batch, context=context, **measured))
+        write(report, stem)
+        print(f"B={batch:<3} N={context:<6} " + "  ".join(
+            f"{s} {e['ms']:.3f} ms ({100 * e['copy_fraction']:.0f}%)" if "ms" in e else
+            f"{s} {e['error']}" for s, e in measured.items()), flush=True)
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report["complete"] = True
+    write(report, stem)
     print(f"wrote {stem}.json and .md")
     return report
 

@@ -1,15 +1,13 @@
 """Decode attention kernels and their torch ops.
 
-Importing this package registers ``torch.ops.lorc.latent_decode`` and
-``torch.ops.lorc.reconstruct_decode`` (Triton kernels over the low-rank latent on CUDA:
-:mod:`lorc_fx.kernels.ops`; it does not need Triton) and ``torch.ops.lorc.code_scores``,
-``code_sums`` and ``code_attention`` (decode attention over quantized codes, a C++ kernel on
-x86-64 CPUs: :mod:`lorc_fx.kernels.code_reductions`). The op callables are not re-exported here
-because the kernel submodules ``latent_decode`` and ``reconstruct_decode`` own those names.
+Importing this package registers ``torch.ops.lorc.latent_decode`` (a Triton kernel over the
+low-rank latent on CUDA: :mod:`lorc_fx.kernels.ops`; it does not need Triton) and
+``torch.ops.lorc.code_scores``, ``code_sums`` and ``code_attention`` (decode attention over
+quantized codes, a C++ kernel on x86-64 CPUs: :mod:`lorc_fx.kernels.code_reductions`). The op
+callable is not re-exported here because the kernel submodule ``latent_decode`` owns that name.
 """
 from . import code_reductions
 from .ops import triton_available
-from .reference import latent_decode_reference, reconstruct_decode_reference
+from .reference import latent_decode_reference
 
-__all__ = ["code_reductions", "triton_available", "latent_decode_reference",
-           "reconstruct_decode_reference"]
+__all__ = ["code_reductions", "triton_available", "latent_decode_reference"]

@@ -11,9 +11,6 @@ the ``r_v`` columns are split over a third grid axis (capped at ``_ACC_ELEMS`` e
 re-reads the key latent once per extra chunk; the scores loop over ``r_k`` in ``BLOCK_K`` chunks.
 Block sizes and the split count are heuristics, not tuned: no GPU was available when this was
 written, so none of these choices is measured (``bench/decode_attention.py`` measures them).
-
-The shared pieces (online softmax step, visibility, partial store, split plan) live here and are
-imported by :mod:`lorc_fx.kernels.reconstruct_decode`.
 """
 from __future__ import annotations
 
@@ -265,7 +262,7 @@ def combine_splits(parts: dict, out: torch.Tensor, t: int) -> None:
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """Tiling, split plan, output and partial buffers shared by both decode kernels."""
+    """Tiling, split plan, output and partial buffers of one decode launch."""
 
     out: torch.Tensor
     parts: dict

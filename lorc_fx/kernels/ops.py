@@ -1,14 +1,14 @@
-"""The decode attention ops ``lorc::latent_decode`` and ``lorc::reconstruct_decode``.
+"""The decode attention op ``lorc::latent_decode``.
 
-Both are ``torch.library.triton_op``s where Triton is installed, so Inductor sees the Triton
-kernels they launch (plain ``custom_op``s without it: torch warns when a ``triton_op`` finds no
-Triton to look into). They run
+It is a ``torch.library.triton_op`` where Triton is installed, so Inductor sees the Triton
+kernels it launches (plain ``custom_op``s without it: torch warns when a ``triton_op`` finds no
+Triton to look into). It runs
 the Triton kernels on CUDA tensors when Triton is installed, and the torch implementation of
 :mod:`lorc_fx.kernels.reference` (float32 math, output in the input dtype) everywhere else, so the
-ops work on any device. Arguments:
+op works on any device. Arguments:
 
-- ``q``: ``(B, H, r_k)`` or ``(B, H, T, r_k)`` absorbed queries (reconstruct mode: the rotated
-  queries, width ``d``); output ``(B, H, r_v)`` or ``(B, H, T, r_v)`` in ``q.dtype``.
+- ``q``: ``(B, H, r_k)`` or ``(B, H, T, r_k)`` absorbed queries; output ``(B, H, r_v)`` or
+  ``(B, H, T, r_v)`` in ``q.dtype``.
 - ``c_k``, ``c_v``: latents ``(B, N, r)`` or the cache's ``(B, 1, N, r)``, any strides.
 - ``mask``: bool ``(B, N)``, True = attend; ``start``, ``length``: int ``(B,)``, keys
   ``start <= n < start + length``; ``T > 1`` queries are bottom-right causal (see
@@ -17,13 +17,13 @@ ops work on any device. Arguments:
 - ``num_splits``: sequence splits (flash-decoding); ``None`` picks one from the SM count.
   Ignored by the torch path.
 
-Prefill (many query tokens) is not served by these ops: rebuild full K/V from the latents
-(``P^T c``, plus RoPE in reconstruct mode) and call ``scaled_dot_product_attention``. Prefill is
+Prefill (many query tokens) is not served by this op: rebuild full K/V from the latents
+(``P^T c``) and call ``scaled_dot_product_attention``. Prefill is
 compute-bound; the absorbed form would do ``r_k``- and ``r_v``-wide products per head instead of
 ``d``-wide ones, ``(r_k + r_v) / 2d`` times the attention FLOPs (4x at cache fraction 0.5 of a
 ``h_kv = 8``, ``d = 128`` layer), while the rebuild is one ``N x r x h_kv*d`` matmul per latent,
 linear in ``N``, after which FlashAttention runs unchanged. Small ``T`` (a few tokens, e.g.
-speculative decoding) stays on these ops. This choice is unmeasured: no GPU was available to the
+speculative decoding) stays on this op. This choice is unmeasured: no GPU was available to the
 session that wrote it.
 """
 from __future__ import annotations
@@ -32,12 +32,11 @@ import torch
 from torch import Tensor
 from torch.library import custom_op, triton_op
 
-from .reference import latent_decode_reference, reconstruct_decode_reference
+from .reference import latent_decode_reference
 
 try:
     from .latent_decode import latent_decode_triton
-    from .reconstruct_decode import reconstruct_decode_triton
-except ImportError as error:  # Triton is optional; the ops then always use the torch path
+except ImportError as error:  # Triton is optional; the op then always uses the torch path
     if error.name != "triton":
         raise
     _HAS_TRITON = False
@@ -112,45 +111,7 @@ def latent_decode(q: Tensor, c_k: Tensor, c_v: Tensor, scale: float,
     return _output(out, q)
 
 
-@_op("lorc::reconstruct_decode", mutates_args=())
-def reconstruct_decode(q: Tensor, c_k: Tensor, c_v: Tensor, basis: Tensor, positions: Tensor,
-                       inv_freq: Tensor, scale: float, mask: Tensor | None = None,
-                       start: Tensor | None = None, length: Tensor | None = None,
-                       num_splits: int | None = None) -> Tensor:
-    """Reconstruct-mode decode attention: keys ``rope(P_k^T c_k)`` at ``positions``.
-
-    ``basis`` ``P_k`` ``(r_k, h_kv*d)`` in ``q.dtype``; ``positions`` int ``(B, N)`` (any
-    strides, e.g. an expanded ``(N,)``); ``inv_freq`` float ``(rotary_dim/2,)``, rotate_half
-    layout over the first ``rotary_dim`` dims of each head.
-    """
-    q4, c_k, c_v = _check_common(q, c_k, c_v, mask, start, length)
-    heads, d = q4.shape[1], q4.shape[-1]
-    r_k, width = basis.shape
-    if basis.dtype != q.dtype or r_k != c_k.shape[-1] or width % d or heads % (width // d):
-        raise ValueError(f"basis must be {q.dtype} (r_k={c_k.shape[-1]}, h_kv*d) with h_kv "
-                         f"dividing H={heads}, d={d}; got {basis.dtype} {tuple(basis.shape)}")
-    if tuple(positions.shape) != tuple(c_k.shape[:2]) or positions.is_floating_point():
-        raise ValueError(f"positions must be int (B, N), got {positions.dtype} "
-                         f"{tuple(positions.shape)}")
-    if inv_freq.dim() != 1 or not 0 < 2 * inv_freq.shape[0] <= d:
-        raise ValueError(f"inv_freq must be (rotary_dim/2,) with 0 < rotary_dim <= {d}, "
-                         f"got {tuple(inv_freq.shape)}")
-    if _use_triton(q):
-        out = reconstruct_decode_triton(q4, c_k, c_v, basis, positions, inv_freq.contiguous(),
-                                        scale, mask, start, length, num_splits)
-    else:
-        out = reconstruct_decode_reference(q4, c_k, c_v, basis, positions, inv_freq, scale,
-                                           mask, start, length, dtype=torch.float32).to(q.dtype)
-    return _output(out, q)
-
-
 @latent_decode.register_fake
 def _latent_decode_fake(q, c_k, c_v, scale, mask=None, start=None, length=None,
                         num_splits=None):
-    return q.new_empty(*q.shape[:-1], c_v.shape[-1])
-
-
-@reconstruct_decode.register_fake
-def _reconstruct_decode_fake(q, c_k, c_v, basis, positions, inv_freq, scale, mask=None,
-                             start=None, length=None, num_splits=None):
     return q.new_empty(*q.shape[:-1], c_v.shape[-1])

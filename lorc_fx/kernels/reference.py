@@ -1,7 +1,7 @@
-"""Plain torch implementations of the decode attention ops.
+"""The plain torch implementation of the decode attention op.
 
-They define what the Triton kernels compute: tests run them in float64, and the ops fall back to
-them (in float32) where Triton cannot run. Shapes follow :mod:`lorc_fx.kernels.ops`; queries here
+It defines what the Triton kernel computes: tests run it in float64, and the op falls back to
+it (in float32) where Triton cannot run. Shapes follow :mod:`lorc_fx.kernels.ops`; queries here
 are always 4-D ``(B, H, T, r)``.
 
 Key visibility: key ``n`` of row ``b`` is visible when ``mask[b, n]`` (if given) and
@@ -46,34 +46,4 @@ def latent_decode_reference(q, c_k, c_v, scale: float, mask=None, start=None, le
     batch, _, t, _ = q.shape
     scores = torch.einsum("bhtr,bnr->bhtn", q.to(dtype), c_k.to(dtype)) * scale
     visible = key_visibility(batch, c_k.shape[1], t, mask, start, length, q.device)
-    return _attend(scores, visible, c_v.to(dtype))
-
-
-def rope_rotate_half(x: torch.Tensor, positions: torch.Tensor,
-                     inv_freq: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x`` ``(B, N, heads, d)`` at ``positions`` ``(B, N)``, rotate_half layout over the
-    first ``2 * len(inv_freq)`` dims. Angles are formed in float32, as transformers does."""
-    half = inv_freq.shape[0]
-    angle = (positions.float()[..., None] * inv_freq.float()).to(x.dtype)[:, :, None, :]
-    cos, sin = angle.cos(), angle.sin()
-    lo, hi, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-    return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin, rest], dim=-1)
-
-
-def reconstruct_decode_reference(q, c_k, c_v, basis, positions, inv_freq, scale: float,
-                                 mask=None, start=None, length=None,
-                                 *, dtype=torch.float64) -> torch.Tensor:
-    """Reconstruct-mode attention: keys ``rope(P_k^T c_k)`` per kv head, values absorbed.
-
-    ``q`` ``(B, H, T, d)`` already rotated; ``basis`` ``P_k`` ``(r_k, h_kv * d)``;
-    ``positions`` ``(B, N)``; ``inv_freq`` ``(rotary_dim / 2,)``. Returns ``(B, H, T, r_v)``.
-    """
-    batch, heads, t, d = q.shape
-    n = c_k.shape[1]
-    kv_heads = basis.shape[1] // d
-    keys = (c_k.to(dtype) @ basis.to(dtype)).view(batch, n, kv_heads, d)
-    keys = rope_rotate_half(keys, positions, inv_freq)
-    q_groups = q.to(dtype).view(batch, kv_heads, heads // kv_heads, t, d)
-    scores = torch.einsum("bkgtd,bnkd->bkgtn", q_groups, keys).reshape(batch, heads, t, n) * scale
-    visible = key_visibility(batch, n, t, mask, start, length, q.device)
     return _attend(scores, visible, c_v.to(dtype))
