@@ -18,22 +18,6 @@ from dataclasses import dataclass, field
 FRACTION_STEP = 0.05
 LEAST_FRACTION = 0.1  # below it no plan of any model measured here was usable
 
-MAX_PPL_INCREASE = 10.0  # a target above ×11 perplexity is a typo, not a quality target
-
-
-def check_target(max_ppl_increase: float | None, cache_fraction: float | None) -> None:
-    """A ``ValueError`` naming the option for a target out of range, or given together with
-    ``cache_fraction`` (one says how small, the other how good: only one can decide)."""
-    if max_ppl_increase is None:
-        return
-    x = max_ppl_increase
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x <= MAX_PPL_INCREASE:
-        raise ValueError(f"max_ppl_increase must be a number in (0, {MAX_PPL_INCREASE:g}] (0.02: "
-                         f"at most 2% more perplexity), got {x!r}")
-    if cache_fraction is not None:
-        raise ValueError("give cache_fraction or max_ppl_increase, not both: the target "
-                         "chooses the fraction")
-
 
 @dataclass
 class FractionSearch:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import lorc_fx
-from lorc_fx.search.fraction import (bisection_steps, check_target, fraction_grid,
-                                     smallest_fraction)
+from lorc_fx.plan.options import PlanOptions
+from lorc_fx.search.fraction import bisection_steps, fraction_grid, smallest_fraction
 from lorc_fx.search.split import calibration_loss, held_out_loss, held_out_windows
 
 
@@ -49,7 +49,7 @@ def test_bisection_finds_the_boundary_of_a_falling_loss(boundary, unreachable, t
 ])
 def test_bad_targets_are_refused_by_name(target, fraction, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_target(target, fraction)
+        PlanOptions(cache_fraction=fraction, max_ppl_increase=target)
 
 
 def test_compress_refuses_a_bad_target_before_analysing(monkeypatch):
