@@ -7,8 +7,8 @@ value, on news, Austen and a held-out genre (poems) (issue #13, parts 2 and 3).
 
 **LoRC**: ``lorc_fx.compress(model, bits_per_value=B)`` at default options: the planner
 measures plain 8/4-bit KV quantization where it fits (KIVI's layout), keys water-filled over
-8/4/3-bit latent rows beside plain 4-bit values (``plan.bit_allocation``), where no plain
-quantization fits the budget vector codes of full-rank latents (``search.vector_bits``: the
+8/4/3-bit latent rows beside plain 4-bit values (``schemes.keys_waterfilled``), where no plain
+quantization fits the budget vector codes of full-rank latents (``schemes.vector``: the
 first such budget fits the model's codebooks, ~20 min on 2 threads, cached), and then every
 low-rank candidate (16/8/4-bit latents in groups of 32 or 64 tokens at the rank that fills
 the budget, for both RoPE modes) on held-out calibration windows of text sampled from the
@@ -128,7 +128,7 @@ def main() -> None:
     STEM = args.stem
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("lorc_fx.search.vector_bits").setLevel(logging.INFO)  # what it measured
+    logging.getLogger("lorc_fx.schemes.vector").setLevel(logging.INFO)  # what it measured
     path = RESULTS / f"{STEM}.json"
     doc = json.loads(path.read_text()) if path.exists() and not args.fresh else None
     if args.report_only:
