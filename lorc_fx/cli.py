@@ -276,12 +276,12 @@ def cmd_lm_eval(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)  # a directory without one fails before the model loads
     model = load_model(args.model)
-    options = dict(max_length=args.max_length, batch_size=args.batch_size)
-    full = harness_scores(model, tokenizer, task, task_dir, compressed=False, **options)
+    harness = dict(max_length=args.max_length, batch_size=args.batch_size)
+    full = harness_scores(model, tokenizer, task, task_dir, compressed=False, **harness)
     report = compress(model, blocks=analyze(model), options=options)
     if report.plan is None:
         raise ValueError(report.left_alone)
-    compressed = harness_scores(model, tokenizer, task, task_dir, compressed=True, **options)
+    compressed = harness_scores(model, tokenizer, task, task_dir, compressed=True, **harness)
     print(f"\n{task} under lm-evaluation-harness (HFLM, windows of {args.max_length} tokens), "
           f"cache fraction {report.plan.cache_fraction:.3f}:")
     for metric in METRICS:

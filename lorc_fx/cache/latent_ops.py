@@ -103,7 +103,7 @@ def dequantize_codes(payload: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
                      group: int, axis: int, length: int, width: int,
                      dtype: torch.dtype) -> torch.Tensor:
     """Packed codes of a quantized cache side → ``(b, h, length, width)`` in ``dtype`` (the
-    side's; its scales may be narrower: ``quantize.dequantize``): one node in a traced graph,
+    side's; its scales may be narrower: ``codes.integer.dequantize``): one node in a traced graph,
     so the backend finds attention over quantized latents by data flow, as it does over
     ``lorc::reconstruct``."""
     return dequantize_codes_math(payload, scale, zero, bits, group, axis, length, width, dtype)

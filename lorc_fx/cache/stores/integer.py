@@ -23,7 +23,7 @@ specialises on such lengths: a graph per case). So a quantized side keeps **spar
 ``SPARE_GROUPS`` groups of code slots past its quantized tokens, and ``SPARE_ROWS`` rows past
 the tokens of its window. A step writes the incoming tokens over the window's spare rows,
 quantizes the window's first group (padded to a whole group) over the spare group slots
-(``quantize.splice_tokens``), and keeps that group, and drops it from the window, only when
+(``codes.integer.splice_tokens``), and keeps that group, and drops it from the window, only when
 the window filled. What attention reads is ``cat([lorc::dequantize(codes), window])`` cut to
 the tokens. docs/design.md ("Quantized latents") counts the graphs this leaves.
 

@@ -53,7 +53,7 @@ from .full import buffer
 def _write_groups(codes: QuantizedTensor, x: torch.Tensor, valid: torch.Tensor | None,
                   dim: int, index: torch.Tensor) -> None:
     """Quantize the groups ``x (..., groups, group)``, each over its ``valid`` elements only
-    (``None``: all; a group with none gets zero and scale 1), by ``quantize.quantize``'s
+    (``None``: all; a group with none gets zero and scale 1), by ``codes.integer.quantize``'s
     arithmetic (on whole groups its results, bit for bit), and write their scales, zero points
     and codes at ``index`` along ``dim`` of ``codes``' buffers, in place.
 
