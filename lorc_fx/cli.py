@@ -8,6 +8,7 @@ import time
 
 from dataclasses import MISSING, fields
 
+from lorc_fx.eval.evaluate import DECODE_AFTER
 from lorc_fx.plan.options import BUDGET_FIELDS, CalibrationOptions, PlanOptions
 
 _SHOW_DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
@@ -150,6 +151,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                          + ")")
     options = plan_options(args)
     scoring = EvalOptions(text=args.text, tokens=args.tokens, window=args.window,
+                          decode_after=None if args.one_forward else args.decode_after,
                           prompts=args.prompts, new_tokens=args.new_tokens, compile=args.compile)
     lead = _tensor_parallel() if args.tp else True  # only one process prints and writes
     text = load_text(args.text)
@@ -169,7 +171,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out = {
         "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
         "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement,
-        "kl_mean": result.kl_mean, "generation": result.generation, "text": args.text,
+        "kl_mean": result.kl_mean, "scoring": result.scoring,
+        "generation": result.generation, "text": args.text,
         "tokens": args.tokens, "window": args.window, "cache_fraction": report.plan.cache_fraction,
         "bits_per_value": result.bits_per_value_measured,
         "bits_per_value_plan": report.plan.bits_per_value,
@@ -191,7 +194,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
               f"{shard_kept:g}/{shard_full} bytes per token (its own KV heads' share of the "
               "cache)")
     g = result.generation
-    print(f"{args.text}: perplexity {result.ppl_full:.3f} full, {result.ppl_compressed:.3f} "
+    print(f"{args.text} ({result.scoring}): perplexity {result.ppl_full:.3f} full, "
+          f"{result.ppl_compressed:.3f} "
           f"compressed (x{result.ppl_ratio:.4f}) at cache fraction "
           f"{report.plan.cache_fraction:.3f} ({kept_bytes:g}/{full_bytes} bytes per token; "
           f"{result.bits_per_value_measured:.3f} bits per value measured, floats at 16 bits)")
@@ -352,6 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="news | austen | pydoc | code | poems | a UTF-8 text file")
     p.add_argument("--tokens", type=int, default=8192, help="tokens evaluated, in windows")
     p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
+    p.add_argument("--decode-after", type=int, default=DECODE_AFTER,
+                   help="tokens of each window (at most half of it) the compressed model reads "
+                        "in one forward before decoding the rest one token at a time, as "
+                        "generate reads the cache")
+    p.add_argument("--one-forward", action="store_true",
+                   help="read each whole window in one forward instead (labelled so: a cache "
+                        "that keeps its newest tokens in full precision reads otherwise than "
+                        "decoding does)")
     p.add_argument("--prompts", type=int, default=4,
                    help="greedy-generation prompts (0: no generation measured)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")

@@ -13,9 +13,11 @@ with ``bits`` per channel per token a multiple of 1/2, in channel order. A run i
 sub-vectors of ``d = sub_dims(bits)`` consecutive channels; each sub-vector ``s`` has its own
 table of ``2^(d·bits)`` codewords, and a token stores the index of its nearest codeword:
 ``d·bits`` bits a sub-vector, so a run costs exactly ``channels·bits`` bits a token. Indices
-are packed along the token axis by :func:`integer.pack_bits` (8 tokens' indices in
-``d·bits`` bytes), so codes come in blocks of 8 tokens; a partial last block is padded with
-the last token and its bytes counted.
+are packed block by block along the token axis, each block of 8 tokens on its own by
+:func:`integer.pack_bits` (8 indices in ``d·bits`` bytes), so codes come in blocks of 8
+tokens that concatenate and cut as blocks (a cache appends them a block at a time: packed
+over the whole axis, 2- and 4-bit indices would interleave runs that span every block); a
+partial last block is padded with the last token and its bytes counted.
 
 A :class:`VectorBook` holds, per run, the encoder's codewords and the decoder's
 reconstructions (``(S, K, d)`` each): the reconstructions are the codewords, or the codewords
@@ -161,8 +163,9 @@ def encode(z: torch.Tensor, book: VectorBook) -> VectorCodes:
         z = torch.cat([z, z[:, -1:].expand(-1, pad, -1)], dim=1)
     payload = []
     for (first, subs, d, ib), (codewords, _) in zip(spec.layout(), book.tables):
-        idx = nearest(_sub_vectors(z, first, subs, d), codewords)
-        payload.append(pack_bits(idx, ib))
+        idx = nearest(_sub_vectors(z, first, subs, d), codewords)  # (b, S, blocks·BLOCK)
+        blocks = idx.reshape(*idx.shape[:-1], -1, BLOCK)
+        payload.append(pack_bits(blocks, ib).flatten(-2))
     return VectorCodes(spec, tuple(payload), n)
 
 
@@ -171,7 +174,8 @@ def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
     parts = []
     for (_, subs, d, ib), (_, values), packed in zip(codes.spec.layout(), book.tables,
                                                     codes.payload):
-        idx = unpack_bits(packed, ib).long()[..., :codes.tokens]  # (b, S, n)
+        blocks = packed.reshape(*packed.shape[:-1], -1, ib)  # a block's 8 indices in ib bytes
+        idx = unpack_bits(blocks, ib).flatten(-2).long()[..., :codes.tokens]  # (b, S, n)
         b, _, n = idx.shape
         gathered = values[torch.arange(subs, device=idx.device)[:, None], idx]  # (b, S, n, d)
         parts.append(gathered.transpose(1, 2).reshape(b, n, subs * d))

@@ -86,8 +86,9 @@ def run_demo(options: PlanOptions, out_dir: str, tokens: int = 2048, new_tokens:
     ppl = {"text": "news", "tokens": tokens, "cache_fraction": report.plan.cache_fraction,
            "ppl_full": result.ppl_full, "ppl_compressed": result.ppl_compressed,
            "ppl_ratio": result.ppl_ratio, "top1_agreement": result.top1_agreement,
-           "kl_mean": result.kl_mean}
-    log(f"\nperplexity on news ({tokens} tokens): full {result.ppl_full:.2f}, compressed "
+           "kl_mean": result.kl_mean, "scoring": result.scoring}
+    log(f"\nperplexity on news ({tokens} tokens; compressed {result.scoring}): full "
+        f"{result.ppl_full:.2f}, compressed "
         f"{result.ppl_compressed:.2f} (x{result.ppl_ratio:.3f}); next-token agreement "
         f"{result.top1_agreement:.1%}, KL from full {result.kl_mean:.4f} nats/token")
     sample = result.generation["samples"][0]

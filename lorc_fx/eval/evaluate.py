@@ -1,8 +1,12 @@
 """Quality of a compressed model on real text, through the real compressed path.
 
-- perplexity, full cache vs latent cache: ``model(ids, past_key_values=latent_cache(model),
-  use_cache=True)`` stores ``P·k`` and gives attention ``Pᵀ·c``, so every token of a window
-  attends to compressed keys and values exactly as in decoding;
+- perplexity, full cache vs latent cache, **decoded** as ``generate`` reads the cache: each
+  window's first ``decode_after`` in one forward through a fresh latent cache, then every
+  other token one at a time (``decode_after=None``: the whole window in one forward, every
+  token reading the cache as stored after it, which a cache that keeps its newest tokens in
+  full precision, or codes them only in blocks, reads otherwise than decoding does: such
+  figures are labelled **one forward**). The full cache is exact either way and is scored
+  in one forward;
 - next-token agreement: how often the compressed model's argmax equals the full model's;
 - next-token KL divergence KL(full ‖ compressed), per token in nats, from both models'
   log-softmax in float64: perplexity alone can stay flat (or even improve) while the
@@ -33,11 +37,17 @@ from lorc_fx.cache import latent_cache
 PROMPT_TOKENS = 24
 
 
+DECODE_AFTER = 64  # tokens of each window read in one forward before the rest is decoded
+
+
 @dataclass
 class EvalOptions:
     text: str = "news"
     tokens: int = 8192  # evaluated tokens in all, in windows of ``window``
     window: int = 512
+    # tokens of each window read in one forward (at most half the window) before the rest is
+    # decoded one at a time; None: the whole window in one forward (one-forward scoring)
+    decode_after: int | None = DECODE_AFTER
     prompts: int = 4  # greedy-generation prompts, taken from the evaluation text
     new_tokens: int = 32
     batch_size: int = 2
@@ -49,6 +59,21 @@ class EvalOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        p = self.decode_after
+        if p is not None and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
+            raise ValueError(f"decode_after must be an integer >= 1, or None (one-forward "
+                             f"scoring), got {p!r}")
+
+    @property
+    def prompt(self) -> int | None:
+        """Tokens of each window read in one forward before decoding (None: all of them)."""
+        return None if self.decode_after is None else min(self.decode_after, self.window // 2)
+
+    @property
+    def scoring(self) -> str:
+        """How the compressed model's windows were read, in words."""
+        return ("one forward per window" if self.prompt is None else
+                f"decoded: {self.prompt} tokens in one forward, the rest one at a time")
 
 
 @dataclass
@@ -61,6 +86,7 @@ class EvalResult:
     cache_bytes_per_token_measured: float
     bits_per_value_measured: float = 0.0  # from the latent cache's tensors, floats at 16 bits
     seconds: dict = field(default_factory=dict)
+    scoring: str = ""  # how the compressed windows were read (``EvalOptions.scoring``)
 
     @property
     def ppl_ratio(self) -> float:
@@ -110,13 +136,27 @@ def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch
     return (ref.exp() * (ref - got)).sum(-1)
 
 
+def decoded_logits(model: nn.Module, ids: torch.Tensor, cache, prompt: int | None
+                   ) -> torch.Tensor:
+    """The logits of ``ids`` read through ``cache`` as ``generate`` reads it: the first
+    ``prompt`` tokens in one forward, then one token a step (``None``: all in one forward)."""
+    if prompt is None:
+        return model(ids, past_key_values=cache, use_cache=True).logits
+    out = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+    for t in range(prompt, ids.shape[1]):
+        out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1)
+
+
 @torch.no_grad()
 def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
-                  batch_size: int = 2, reference: nn.Module | None = None) -> WindowScores:
+                  batch_size: int = 2, reference: nn.Module | None = None,
+                  prompt: int | None = None) -> WindowScores:
     """Perplexity over ``windows``, through the plain forward or (``compressed``) a fresh
-    latent cache per batch. With ``reference`` (a runner of the uncompressed model: its plain
-    forward), every batch also runs through it, for next-token argmax agreement and KL
-    divergence from it over the same positions."""
+    latent cache per batch, each window's first ``prompt`` tokens in one forward and the rest
+    decoded one at a time (``decoded_logits``; ``None``: one forward). With ``reference`` (a
+    runner of the uncompressed model: its plain forward), every batch also runs through it,
+    for next-token argmax agreement and KL divergence from it over the same positions."""
     device = next(model.parameters()).device
     total, count, cache_bytes, same, kl = 0.0, 0, 0, 0, 0.0
     cache_bits = cached_values = 0
@@ -124,7 +164,7 @@ def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
         batch = batch.to(device)
         if compressed:
             cache = latent_cache(model)
-            logits = model(batch, past_key_values=cache, use_cache=True).logits
+            logits = decoded_logits(model, batch, cache, prompt)
             cache_bytes += cache.cache_bytes()
             cache_bits += cache.cache_bits()
             cached_values += cache.cached_values()
@@ -205,7 +245,8 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
     if options.compile:
         torch._dynamo.reset()
     start = time.perf_counter()  # the reference is the eager plain forward, also when compiled
-    scores = score_windows(comp_runner, windows, True, options.batch_size, reference=model)
+    scores = score_windows(comp_runner, windows, True, options.batch_size, reference=model,
+                           prompt=options.prompt)
     seconds["ppl_compressed_and_kl"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -217,4 +258,5 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
         "samples": [{"prompt": tokenizer.decode(p[0]), "full": tokenizer.decode(f),
                      "compressed": tokenizer.decode(c)} for p, f, c in zip(prompts, full, comp)]}
     return EvalResult(full_scores.ppl, scores.ppl, scores.top1_agreement, scores.kl_mean,
-                      generation, scores.cache_bytes_per_token, scores.bits_per_value, seconds)
+                      generation, scores.cache_bytes_per_token, scores.bits_per_value, seconds,
+                      options.scoring)

@@ -9,7 +9,7 @@ from lorc_fx.analysis.records import named_params
 from lorc_fx.api import compress, load_plan, save_plan
 from lorc_fx.cache import latent_cache
 from lorc_fx.cache.stores.vector import VectorStore
-from lorc_fx.codes.vector import BLOCK, decode
+from lorc_fx.codes.vector import BLOCK, VectorBook, VectorSpec, decode
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import layer_inputs
@@ -83,6 +83,27 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
     codes = sum(side.codes.nbytes for l in whole.layers for side in (l.k_store, l.v_store))
     assert whole.cache_bytes() == (codes + 2 * r * itemsize * (1 + 29 % BLOCK)
                                    + sum(t.nbytes for t in whole.rotary.tensors()))
+
+
+def test_a_store_fed_block_by_block_reads_what_one_append_reads():
+    """Decoding appends a block of codes at a time: every index width (4 bits a channel packs
+    two indices a byte, 2.5 bits five-bit indices, 1.5 six-bit ones) reads back as the codes
+    of one append of all the tokens, and cuts to the same prefix."""
+    gen = torch.Generator().manual_seed(0)
+    spec = VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8)
+    tables = []
+    for _, subs, d, ib in spec.layout():
+        codewords = torch.randn(subs, 1 << ib, d, generator=gen)
+        tables.append((codewords, codewords))
+    book = VectorBook(spec, tuple(tables))
+    latents = torch.randn(2, 1, 37, spec.width, generator=gen)
+    whole, steps = VectorStore(book), VectorStore(book)
+    whole_window = whole.append(torch.tensor([]), latents)
+    window = steps.append(torch.tensor([]), latents[:, :, :5])
+    for t in range(5, 37):
+        window = steps.append(window, latents[:, :, t:t + 1])
+    assert torch.equal(steps.read(window), whole.read(whole_window))
+    assert torch.equal(steps.read(steps.cut(window, 19)), whole.read(whole.cut(whole_window, 19)))
 
 
 def test_crop_keeps_the_first_tokens_as_they_were_read(model, plan):

@@ -53,6 +53,27 @@ def test_codewords_round_trip_bit_exact_and_bytes_are_the_specs(spec, batch, tok
     assert codes.nbytes * 8 == batch * whole * spec.bits_per_token()
 
 
+@settings(max_examples=40, deadline=None)
+@given(specs(), st.lists(st.integers(1, 3), min_size=2, max_size=4), st.integers(0, 2 ** 31 - 1))
+def test_blocks_coded_apart_concatenate_and_cut_as_the_codes_of_them_all(spec, pieces, seed):
+    """A cache codes its latents a block at a time and keeps the payloads side by side: they
+    decode as the codes of all the tokens at once, and a prefix of whole blocks cut from them
+    decodes as the codes of that prefix (every index width: a 4-bit index packed over the
+    whole token axis would interleave blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    book = _book_of_distinct_codewords(spec, gen)
+    z = torch.randn(2, sum(pieces) * BLOCK, spec.width, generator=gen) * 3
+    whole = encode(z, book)
+    starts = [sum(pieces[:i]) * BLOCK for i in range(len(pieces) + 1)]
+    apart = [encode(z[:, a:b], book) for a, b in zip(starts, starts[1:])]
+    payload = tuple(torch.cat(parts, dim=-1) for parts in zip(*(c.payload for c in apart)))
+    assert all(torch.equal(p, q) for p, q in zip(payload, whole.payload))
+    keep = pieces[0] * BLOCK
+    prefix = type(whole)(spec, tuple(p[..., :p.shape[-1] * keep // z.shape[1]]
+                                     for p in whole.payload), keep)
+    assert torch.equal(decode(prefix, book), decode(encode(z[:, :keep], book), book))
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from((1, 2, 4, 8)), st.integers(2, 40), st.integers(0, 2 ** 31 - 1))
 def test_nearest_is_the_least_squared_distance(d, count, seed):

@@ -53,3 +53,29 @@ def test_scores_measure_bits_per_value_from_the_cache():
     assert scores.bits_per_value == pytest.approx(report.plan.bits_per_value, rel=1e-12)
     assert report.plan.bits_per_value < 16 * 0.5 + 1e-9
     assert score_windows(model, windows, False).bits_per_value == 0.0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_decode_after_is_checked_by_name(bad):
+    with pytest.raises(ValueError, match="decode_after must be an integer >= 1"):
+        EvalOptions(decode_after=bad)
+    assert EvalOptions(decode_after=None).scoring == "one forward per window"
+    assert EvalOptions(window=64, tokens=64).prompt == 32  # at most half the window
+
+
+def test_decoded_scores_read_the_cache_as_generate_does():
+    """A full-width plan stores every key and value exactly: decoding the windows token by
+    token after a prompt scores them as one forward does, to float rounding; the next-token
+    agreement and KL come with either."""
+    from lorc_fx.api import compress
+    from lorc_fx.eval.evaluate import score_windows
+    from helpers.families import VOCAB, build, config_for
+
+    model = build(config_for("llama"))
+    compress(model, 1.0, schedule="uniform", basis="weight", rope="reconstruct")
+    windows = torch.randint(3, VOCAB, (3, 24), generator=torch.Generator().manual_seed(0))
+    one = score_windows(model, windows, True, reference=model)
+    decoded = score_windows(model, windows, True, reference=model, prompt=5)
+    assert decoded.ppl == pytest.approx(one.ppl, rel=1e-5)
+    assert decoded.kl_mean == pytest.approx(one.kl_mean, abs=1e-7)
+    assert decoded.top1_agreement == one.top1_agreement == 1.0

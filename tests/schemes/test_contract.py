@@ -1,7 +1,8 @@
 """Every registered storage scheme through one contract: its candidates plan within the
 budget, the cache holds what the plan says and keeps it through crop, beam reorder and batch
-select, a static cache exists exactly where the scheme says it does, the plan file gives the
-same plan back, and the report says what the scheme stores.
+select, decoding token by token stores what one forward stores and scores as it does, a
+static cache exists exactly where the scheme says it does, the plan file gives the same plan
+back, and the report says what the scheme stores.
 
 A scheme added to ``lorc_fx.schemes`` is held to this contract with no test of its own: the
 plans are made the way the search makes them (``Scheme.candidates`` of a search context),
@@ -12,6 +13,7 @@ import torch
 from lorc_fx.analysis import analyze
 from lorc_fx.api import compress, load_plan, save_plan
 from lorc_fx.cache import latent_cache
+from lorc_fx.eval.evaluate import decoded_logits
 from lorc_fx.plan.options import CalibrationOptions, PlanOptions
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import SCHEMES
@@ -104,6 +106,24 @@ def test_the_cache_holds_the_plan_through_crop_reorder_and_select(planned, model
     for (k, v), (k0, v0) in zip(read(cache), kept):
         torch.testing.assert_close(k, k0[..., :TOKENS - 5, :], rtol=0, atol=1e-6)
         torch.testing.assert_close(v, v0[..., :TOKENS - 5, :], rtol=0, atol=1e-6)
+
+
+def test_decoding_stores_and_scores_as_one_forward_does(planned, model):
+    """A prompt in one forward, then one token a step (as ``generate`` feeds the cache): the
+    first layer, whose inputs do not depend on the cache, stores what one forward of the same
+    tokens stores, to float rounding; the later layers see the newest tokens as decoding
+    reads them, so the windows' next-token loss may move, but only within noise (a store that
+    read its codes back wrong moved it by orders of magnitude)."""
+    ids = torch.randint(3, VOCAB, (2, TOKENS + 9), generator=torch.Generator().manual_seed(1))
+    one, decoded = latent_cache(model), latent_cache(model)
+    with torch.no_grad():
+        logits = {"one": decoded_logits(model, ids, one, None),
+                  "decoded": decoded_logits(model, ids, decoded, 5)}
+    for x, y in zip(one.layers[0].latents(), decoded.layers[0].latents()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    loss = {k: torch.nn.functional.cross_entropy(v[:, :-1].transpose(1, 2), ids[:, 1:]).item()
+            for k, v in logits.items()}
+    assert abs(loss["decoded"] - loss["one"]) < 0.05, loss
 
 
 def test_a_static_cache_exists_where_the_scheme_says(planned, model):
