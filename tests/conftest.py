@@ -30,3 +30,46 @@ def loaded(tiny, tmp_path, monkeypatch):
     directory, text = tiny
     model = load_model(directory)
     return model, load_tokenizer(directory), analyze(model), text
+
+
+# ---------------------------------------------------------------- order and workers (pytest -n)
+# README's test command runs two workers (pytest-xdist, ``-n 2``). They take the tests in the
+# order below, one test at a time (the scheduler below), except that a module in KEEP_TOGETHER
+# goes to one worker whole, so that its costly module fixtures are built once. The longest
+# tests go first, so that both workers end together: the two compiled generates on the real
+# model (minutes each) start at once, one on each worker, then the modules with slow or
+# Inductor tests, then the rest. Only the order changes; every test runs as before. Whole
+# modules move, so a run without workers still sets each module fixture up once.
+FIRST = ("tests/test_real_model.py",)
+KEEP_TOGETHER = (
+    "tests/api/test_tensor_parallel.py",  # module fixtures launch torchrun three times
+    "tests/kernels/test_kernels.py",  # the interpreted kernels (a module fixture, ~11 s)
+)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    heavy = {_module(i.nodeid) for i in items
+             if i.get_closest_marker("slow") or i.get_closest_marker("inductor")}
+    rank = lambda i: 0 if _module(i.nodeid) in FIRST else 1 if _module(i.nodeid) in heavy else 2
+    items.sort(key=rank)  # stable: each module's tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which may not be installed
+def pytest_xdist_make_scheduler(config, log):
+    """With ``-n`` (xdist's default ``--dist load``): the collection's order, a test at a time,
+    KEEP_TOGETHER modules whole. (Not ``--dist loadgroup``: its ``xdist_group`` marks do not
+    group under pytest 9.2, whose node ids ignore the suffix xdist writes.)"""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist asked for: xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduler(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _module(nodeid) if _module(nodeid) in KEEP_TOGETHER else nodeid
+
+    config.option.loadscopereorder = False  # keep the order above, not the largest scope first
+    return Scheduler(config, log)
