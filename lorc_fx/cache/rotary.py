@@ -102,6 +102,11 @@ class RotaryLog:
             else:
                 self.angle = angle.new_zeros(angle.shape[0], self.max_cache_len, angle.shape[-1])
                 self.magnitude = magnitude.new_zeros(angle.shape[0], self.max_cache_len, 1)
+        if self.angle.shape[0] != angle.shape[0]:  # a shared row meets per-row angles
+            rows = max(self.angle.shape[0], angle.shape[0])
+            self.angle, self.magnitude, angle, magnitude = (
+                t.expand(rows, *t.shape[1:]).contiguous()
+                for t in (self.angle, self.magnitude, angle, magnitude))
         if positions is None:
             self.angle = torch.cat([self.angle, angle], dim=1)
             self.magnitude = torch.cat([self.magnitude, magnitude], dim=1)
@@ -129,7 +134,7 @@ class RotaryLog:
     def map_batch(self, fn) -> None:
         """Apply ``fn``, an operation on the batch axis 0 (beams, repeat/select). A log of one
         row holds angles every row shares (the positions transformers computed once for the
-        batch), so it stays as it is."""
+        batch), so it stays as it is; ``append`` widens it if per-row angles come later."""
         if self.angle is not None and self.angle.shape[0] > 1:
             self.map(fn)
 
