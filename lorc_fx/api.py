@@ -16,9 +16,9 @@ from torch import nn
 
 import lorc_fx.schemes  # noqa: F401  (registers the storage schemes)
 from lorc_fx.analysis import analyze
-from lorc_fx.analysis.capture import NoTokenInputs
+from lorc_fx.analysis.capture import NoTokenInputs, NotTraceable
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.cache import install
+from lorc_fx.cache import install, layers_kept_as_built
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import Plan
@@ -33,9 +33,22 @@ class NoAttentionFound(ValueError):
 
     def __init__(self, model: nn.Module, blocks: list[AttentionBlock], why: str = ""):
         reasons = sorted({b.reason for b in blocks if b.reason})
+        kept = layers_kept_as_built(getattr(model, "config", None))
+        if not why and any(b.supported for b in blocks):
+            why = (f"every attention layer it could compress keeps the cache layer transformers "
+                   "builds for it, which lorc_fx stores as built: "
+                   + ", ".join(f"layer {b.layer} {kept[b.layer]}" for b in blocks
+                            if b.layer in kept))
         why = why or (f"its {len(blocks)} attention blocks are left alone: {'; '.join(reasons)}"
                       if blocks else "its traced forward holds no attention")
         super().__init__(f"no attention to compress in {type(model).__name__}: {why}")
+
+
+def compressible(model: nn.Module, blocks: list[AttentionBlock]) -> bool:
+    """Whether any block is supported and writes a cache layer the latent cache replaces
+    (not one transformers builds its own kind of: sliding-window, chunked, ...)."""
+    kept = layers_kept_as_built(getattr(model, "config", None))
+    return any(b.supported and b.layer not in kept for b in blocks)
 
 
 def plan(model: nn.Module, cache_fraction: float | None = None, *,
@@ -82,7 +95,7 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     options = PlanOptions.of(options, **_with_fraction(cache_fraction, overrides))
     if blocks is None:
         blocks = analyze(model)
-    if not any(b.supported for b in blocks):
+    if not compressible(model, blocks):
         raise NoAttentionFound(model, blocks)
     planned = plan_model(model, blocks, options, progress)
     return replace(planned, fingerprint=plan_file.plan_fingerprint(model),
@@ -120,9 +133,9 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
     try:
         if blocks is None:
             blocks = analyze(model)
-        if not any(b.supported for b in blocks):
+        if not compressible(model, blocks):
             raise NoAttentionFound(model, blocks)
-    except (NoAttentionFound, NoTokenInputs) as err:
+    except (NoAttentionFound, NoTokenInputs, NotTraceable) as err:
         why = err if isinstance(err, NoAttentionFound) else NoAttentionFound(model, [], str(err))
         log.warning("lorc_fx.compress: %s; the model is left unchanged", why)
         return CompressionReport(None, [(b.layer, b.reason) for b in blocks or []], dtype_bytes,

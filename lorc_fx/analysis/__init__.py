@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import takewhile
 
 from torch import nn
 
@@ -12,7 +13,9 @@ from .sharding import block_sharding
 
 
 def analyze(model: nn.Module, example_inputs=None) -> list[AttentionBlock]:
-    """Attention blocks in execution order; ``layer`` counts them from 0.
+    """Attention blocks in execution order; ``layer`` is the index of the cache layer each
+    writes (its module's ``layer_idx``, which a hybrid model's other layers also take: see
+    :func:`cache_layers`), else counts them from 0.
 
     ``example_inputs``: as for ``lorc_fx.analysis.capture.capture`` (default: synthetic token ids).
     """
@@ -24,7 +27,33 @@ def analyze(model: nn.Module, example_inputs=None) -> list[AttentionBlock]:
             notes = dict(match.notes, graph=call.graph, attention_node=match.nodes.attention.name)
             blocks.append(_with_sharding(replace(match, layer=len(blocks), notes=notes,
                                                  nodes=None), params))
-    return blocks
+    return cache_layers(model, blocks)
+
+
+def cache_layers(model: nn.Module, blocks: list[AttentionBlock]) -> list[AttentionBlock]:
+    """``blocks`` numbered by the cache layer each writes: the ``layer_idx`` of the nearest
+    module above its projections that has one (transformers' attention modules pass it to
+    ``Cache.update``). In a hybrid model (attention beside Mamba or convolution layers) the
+    attention blocks are not the cache's first layers. Where a block has none, or two blocks
+    share one, they keep their execution order."""
+    found = [_layer_idx(model, b) for b in blocks]
+    if None in found or len(set(found)) != len(found) or found != sorted(found):
+        return blocks
+    return [replace(b, layer=i) for b, i in zip(blocks, found)]
+
+
+def _layer_idx(model: nn.Module, block: AttentionBlock) -> int | None:
+    names = [p.weight.split(".")[:-1] for p in (block.q, block.k, block.v, block.o) if p]
+    if not names:
+        return None
+    path = [parts[0] for parts in takewhile(lambda parts: len(set(parts)) == 1, zip(*names))]
+    while True:
+        index = getattr(model.get_submodule(".".join(path)), "layer_idx", None)
+        if isinstance(index, int):
+            return index
+        if not path:
+            return None
+        path.pop()
 
 
 def _with_sharding(block: AttentionBlock, params) -> AttentionBlock:

@@ -50,6 +50,10 @@ def _match_site(site: AttentionSite, facts: GraphFacts) -> AttentionBlock:
                        head_dim=0, attention_op=site.op, supported=False,
                        nodes=GraphNodes(site.node, site.query, site.key, site.value,
                                         site.key_transposed))
+    if site.softcap is not None:
+        m.notes["softcap"] = site.softcap
+    if site.sinks:
+        m.notes["sinks"] = site.sinks
     try:
         if site.error:
             raise _Unsupported(site.error)

@@ -8,6 +8,7 @@ execution order with the right weights.
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,11 @@ def capture(model: nn.Module, example_inputs=None, **forward_kwargs) -> Capture:
         compiled = torch.compile(model, backend=backend, fullgraph=False, dynamic=False)
         with torch.no_grad():
             compiled(*args, **kwargs)
+    except torch._dynamo.exc.TorchRuntimeError as err:
+        cause = re.search(r": got (.*)", str(err))  # the op's own error, in its explanation
+        raise NotTraceable(f"dynamo cannot trace {type(model).__name__}: "
+                           f"{cause.group(1) if cause else str(err).strip().splitlines()[0]}"
+                           ) from err
     finally:
         torch._dynamo.reset()
     return Capture(graphs, calls)
@@ -99,6 +105,11 @@ def _forward_inputs(model: nn.Module, example_inputs, forward_kwargs) -> tuple[t
     if "use_cache" not in kwargs and "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False
     return args, kwargs
+
+
+class NotTraceable(ValueError):
+    """Dynamo fails on the model's forward (a fake-tensor run the eager forward survives:
+    seen on configs whose shapes only eager broadcasting reconciles)."""
 
 
 class NoTokenInputs(ValueError):

@@ -11,6 +11,9 @@ dim(s):
 * partial rotary: ``cat([rope(x[..., :r]), x[..., r:]], -1)``: parts of one ``x`` (found as
   the parts' nearest common ancestor through layout ops and RoPE), some rotated, that put
   every element of ``x`` back in place; pass-through dims are simply not in any pair.
+* halves rotated apart (gpt-oss): ``a, b = chunk(x, 2, -1)``, then
+  ``cat([a * cos - b * sin, b * cos + a * sin], -1)``: pairs ``(a_t, b_t)`` read off the
+  replayed halves.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ class RopeMatch:
 
 
 def match_rope(node, facts) -> RopeMatch | None:
-    for matcher in (_match_rotate_sum, _match_complex, _match_partial):
+    for matcher in (_match_rotate_sum, _match_complex, _match_halves, _match_partial):
         found = matcher(node, facts)
         if found is not None:
             return found
@@ -121,6 +124,44 @@ def _match_complex(node, facts) -> RopeMatch | None:
         return None
     pairs = tuple((2 * t, 2 * t + 1) for t in range(size[-2]))
     return RopeMatch(node, z, pairs, 2, (freqs,))
+
+
+def _match_halves(node, facts) -> RopeMatch | None:
+    """``cat([a * cos - b * sin, b * cos + a * sin], -1)`` with ``a`` and ``b`` parts of one
+    ``x`` that the ``cat`` puts back in place: each ``(a_t, b_t)`` turns by its angle."""
+    if op_name(node) != "cat":
+        return None
+    pieces, out = arg(node, 0, "tensors"), shape(node)
+    if out is None or arg(node, 1, "dim", 0) not in (-1, len(out) - 1) or len(pieces) != 2:
+        return None
+    first, second = pieces
+    if op_name(first) != "sub" or op_name(second) != "add":
+        return None
+    a_cos, b_sin = (_mul_operands(t, facts) for t in first.args)
+    terms = [_mul_operands(t, facts) for t in second.args]
+    if None in (a_cos, b_sin, *terms):
+        return None
+    (a, cos), (b, sin) = a_cos, b_sin
+    if set(terms) != {(b, cos), (a, sin)}:
+        return None
+    chains = [_trace_part(a, facts)[0], _trace_part(b, facts)[0]]
+    base = next((n for n in chains[0] if n in chains[1] and shape(n) == out), None)
+    if base is None:
+        return None
+    index = source_index(out)
+    try:
+        at_a, at_b = (replay_between(base, x, index, facts, False) for x in (a, b))
+        if not torch.equal(torch.cat([at_a, at_b], -1), index):
+            return None
+    except (NotReplayable, RuntimeError, TypeError, IndexError, ValueError):
+        return None
+    last = out[-1]
+    cols_a = ((at_a - 1) % last).reshape(-1, at_a.shape[-1])
+    cols_b = ((at_b - 1) % last).reshape(-1, at_b.shape[-1])
+    if not bool((cols_a == cols_a[0]).all() and (cols_b == cols_b[0]).all()):
+        return None
+    return RopeMatch(node, base, tuple(zip(cols_a[0].tolist(), cols_b[0].tolist())), 1,
+                     (cos, sin))
 
 
 def _match_partial(node, facts) -> RopeMatch | None:

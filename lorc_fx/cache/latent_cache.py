@@ -71,10 +71,11 @@ class LatentCache(Cache):
         ``codes`` say (default: in the model's dtype)."""
         static = [l for l in cache.layers if type(l) is StaticLayer]
         codes = codes or {}
-        styles = {b.rope_style for b in bases.values() if b.rope_style}
+        styles = {(b.rope_style, b.rotary_dim) for b in bases.values() if b.rope_style}
         rotary = None
         if styles:
-            rotary = RotaryLog(styles.pop(), static[0].max_cache_len if static else None)
+            style, rotary_dim = styles.pop()
+            rotary = RotaryLog(style, static[0].max_cache_len if static else None, rotary_dim)
         layers, log_owner = [], None
         for i, layer in enumerate(cache.layers):
             if i in bases and type(layer) in (DynamicLayer, StaticLayer):

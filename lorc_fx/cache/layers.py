@@ -42,6 +42,7 @@ class LatentCodec:
     rotary: RotaryLog | None = None
     k_rebuild: torch.Tensor | None = None
     v_rebuild: torch.Tensor | None = None
+    rotary_dim: int = 0  # head dims RoPE turns, where ``rope_style`` is set
 
     @classmethod
     def of(cls, layer: LayerPlan) -> "LatentCodec":
@@ -52,7 +53,8 @@ class LatentCodec:
                    layer.v_basis if layer.v_compressible else None, layer.num_kv_heads,
                    layer.rope.style if layer.k_latent_of == "pre_rope" else None,
                    k_rebuild=layer.k_rebuild if layer.k_compressible else None,
-                   v_rebuild=layer.v_rebuild if layer.v_compressible else None)
+                   v_rebuild=layer.v_rebuild if layer.v_compressible else None,
+                   rotary_dim=layer.rope.rotary_dim)
 
     def __post_init__(self):
         self.k_rebuild = self.k_basis if self.k_rebuild is None else self.k_rebuild
@@ -66,7 +68,8 @@ class LatentCodec:
     def compress(self, keys: torch.Tensor, values: torch.Tensor):
         if self.rotary is not None and self.k_basis is not None:
             cos, sin = self.rotary.incoming()
-            keys = rotate(keys, cos, sin, self.rotary.style, inverse=True)
+            power = cos * cos + sin * sin  # m² of tables scaled by m (YaRN): undone, not doubled
+            keys = rotate(keys, cos / power, sin / power, self.rotary.style, inverse=True)
         k = keys if self.k_basis is None else project(keys, self.k_basis)
         v = values if self.v_basis is None else project(values, self.v_basis)
         return k, v

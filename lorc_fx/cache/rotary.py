@@ -54,18 +54,23 @@ class RotaryLog:
     otherwise in the model's dtype.
     """
 
-    def __init__(self, style: str, max_cache_len: int | None = None):
-        self.style, self.max_cache_len = style, max_cache_len
+    def __init__(self, style: str, max_cache_len: int | None = None, rotary_dim: int = 0):
+        self.style, self.max_cache_len, self.rotary_dim = style, max_cache_len, rotary_dim
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.angle = self.magnitude = None  # (b, n, rotary_dim / 2), (b, n, 1)
         self.dtype: torch.dtype | None = None  # what ``angles`` hands back: the model's
 
     def incoming(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(cos, sin)`` handed over, one value per rotary head dim (tables of one
+        value per pair, ``rotary_dim / 2`` wide, repeated as the layout wants)."""
         if self.pending is None:
             raise RuntimeError(
                 "rope='reconstruct' needs the RoPE angles of each step: the attention module "
                 "did not receive `position_embeddings=(cos, sin)`; use rope='commute'")
-        return self.pending
+        cos, sin = self.pending
+        if cos.shape[-1] * 2 == self.rotary_dim:  # one value per pair (gpt-oss): per dim
+            cos, sin = self._per_dim(cos), self._per_dim(sin)
+        return cos, sin
 
     def _per_pair(self, x: torch.Tensor) -> torch.Tensor:
         return x[..., : x.shape[-1] // 2] if self.style == "half" else x[..., 0::2]

@@ -53,9 +53,14 @@ class _Accumulator:
                                 float(s["output"]) / n, self.scale / self.calls)
 
 
-def _probabilities(query, key, mask, scaling):
+def _probabilities(query, key, mask, scaling, softcap=None, sinks=None):
+    """The attention probabilities over the keys; ``softcap`` caps the scores as
+    ``cap · tanh(s / cap)`` (Gemma 2), ``sinks`` is a logit per head that takes its share of
+    each softmax and is dropped (gpt-oss's ``s_aux``)."""
     groups = query.shape[1] // key.shape[1]
     scores = query @ key.repeat_interleave(groups, 1).transpose(-1, -2) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is None:  # no mask tensor: the causal mask is implied
         t, n = scores.shape[-2:]
         causal = torch.ones(t, n, dtype=torch.bool, device=scores.device).tril(n - t)
@@ -64,7 +69,10 @@ def _probabilities(query, key, mask, scaling):
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask[..., : key.shape[2]]
-    return scores.softmax(-1)
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
 
 
 @torch.no_grad()
@@ -143,11 +151,12 @@ class AttentionProbe:
 
 
 def probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                    **kwargs):
-    """An ``AttentionInterface`` function: plain softmax attention that reports to the
-    active probe. Returns ``(b, t, h, d)`` like the built-in implementations."""
+                    softcap=None, s_aux=None, **kwargs):
+    """An ``AttentionInterface`` function: softmax attention (softcapped scores and sink
+    logits as the model asks) that reports to the active probe. Returns ``(b, t, h, d)``
+    like the built-in implementations."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    p = _probabilities(query, key, attention_mask, scaling)
+    p = _probabilities(query, key, attention_mask, scaling, softcap, s_aux)
     out = p.to(value.dtype) @ value.repeat_interleave(query.shape[1] // key.shape[1], 1)
     if AttentionProbe._active is not None:
         AttentionProbe._active.observe(module, query, key, value, p, out, scaling)

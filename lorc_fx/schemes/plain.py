@@ -11,7 +11,6 @@ grouped exactly as on one process.
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 from lorc_fx.plan.planner import Plan, plain_quantized_plan
@@ -42,8 +41,10 @@ class Plain(Scheme):
         plan = plain_quantized_plan(search.layer_inputs(),
                                     search.candidate_options("commute", bits, group))
         if over_budget(plan):  # said before measuring what would be left out anyway
+            budget = plan.budget
             raise UnreachableFraction(f"plain KV quantization, {bits}-bit, G{group} is over "
-                                      "the budget", math.inf)
+                                      f"the budget: it stores {budget.of(plan):.3f} "
+                                      f"({budget.unit})", budget.of(plan))
         return plan, held_out_loss(search.model, search.blocks, plan) if search.measure else None
 
     def how(self, plan: Plan) -> str:

@@ -167,6 +167,9 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     share of ``KEY_SHARES``, and that loss."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
+    sides = {side for _, side in coded_sides(full)}
+    if sides != {"k", "v"}:  # before fitting books on samples there would be none of
+        raise UnreachableFraction("vector codes: no layer caches both key and value latents", 0.0)
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
     books, rho = fitted_books(model, blocks, full, windows)

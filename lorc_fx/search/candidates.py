@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+from lorc_fx.plan.options import Budget
 from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.scheme import SCHEMES
 from lorc_fx.plan.schedules import UnreachableFraction
@@ -49,13 +50,16 @@ def candidates(search: SearchContext) -> list[Candidate]:
 
 
 def best_candidate(listed: list[Candidate], progress: bool = True,
-                   enough: float | None = None) -> tuple[Plan, float | None]:
+                   enough: float | None = None, budget: Budget | None = None
+                   ) -> tuple[Plan, float | None]:
     """The plan of the candidate with the least held-out loss, and that loss (each
     ``Candidate.build`` plans one and measures its loss, or returns ``None`` where nothing can
     be measured: then the first that plans wins). Candidates out of reach of the budget
     (``UnreachableFraction``) or over it (``over_budget``, where there is more than one
-    candidate) are left out; where none plans, the first refusal is raised. A loss at most ``enough`` ends the search. The
-    plan returned records every candidate measured, best first, in ``Plan.candidates``."""
+    candidate) are left out; where none plans, the refusal is raised (one naming the
+    ``budget``, the least any candidate reaches and why each was refused, where there were
+    several). A loss at most ``enough`` ends the search. The plan returned records every
+    candidate measured, best first, in ``Plan.candidates``."""
     from tqdm.auto import tqdm
 
     planned: list[tuple[float, Candidate, Plan]] = []
@@ -70,7 +74,10 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
             refused.append(err)
             continue
         if len(listed) > 1 and over_budget(plan):  # compared at equal bytes only
-            refused.append(UnreachableFraction(f"{candidate.name} is over the budget", math.inf))
+            size = plan.budget.of(plan)
+            refused.append(UnreachableFraction(
+                f"{candidate.name} is over the budget: it stores {size:.3f} "
+                f"({plan.budget.unit})", size))
             continue
         if loss is None:  # nothing to compare on: the first candidate that plans
             bar.close()
@@ -81,7 +88,8 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
             break
     bar.close()
     if not planned:
-        raise refused[0]
+        raise refused[0] if len(refused) == 1 or budget is None else _out_of_reach(refused,
+                                                                                   budget)
     planned.sort(key=lambda p: p[0])
     best = planned[0][2]
     if len(listed) > 1:
@@ -91,3 +99,18 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
                             "bits_per_value": p.bits_per_value,
                             "cache_fraction": p.cache_fraction} for loss, c, p in planned]
     return best, planned[0][0]
+
+
+def _out_of_reach(refused: list[UnreachableFraction], budget: Budget) -> UnreachableFraction:
+    """One refusal for a budget no candidate plans: the least any candidate reaches (a
+    refusal's ``lowest``, where it says one) and its refusal, else why each was refused."""
+    reaching = [r for r in refused if 0 < r.lowest < math.inf]
+    if not reaching:
+        return UnreachableFraction(f"{budget} is out of reach on this model: no candidate plans "
+                                   "on it (" + "; ".join(dict.fromkeys(map(str, refused))) + ")",
+                                   math.inf)
+    least = min(reaching, key=lambda r: r.lowest)
+    return UnreachableFraction(
+        f"{budget} is out of reach on this model: the candidates reach [{least.lowest:.3f}, "
+        f"{budget.top:g}] ({budget.unit}); ask for a budget in that range (the least: {least})",
+        least.lowest)

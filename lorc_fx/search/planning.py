@@ -102,7 +102,7 @@ def best_plan(search: SearchContext, progress: bool = False, full_loss: float | 
             full_loss = calibration_loss(search.model, search.blocks, None,
                                          held_out_windows(search.model, search.options))
         enough = full_loss + NEGLIGIBLE_LOSS
-    return best_candidate(listed, progress, enough)
+    return best_candidate(listed, progress, enough, search.options.budget)
 
 
 def _plan_within(search: SearchContext, max_ppl_increase: float) -> Plan:

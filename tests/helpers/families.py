@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
-from transformers import (AutoModelForCausalLM, GemmaConfig, Gemma3TextConfig, GPT2Config,
-                          GPTNeoXConfig, LlamaConfig, MistralConfig, OPTConfig, Phi3Config,
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, GemmaConfig, Gemma2Config,
+                          Gemma3TextConfig, GPT2Config, GptOssConfig, GPTNeoXConfig, LlamaConfig,
+                          Lfm2Config, MistralConfig, OPTConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config)
 
 VOCAB = 96
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "gpt2", "opt", "gemma", "gemma3")
@@ -38,6 +39,24 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
         return Gemma3TextConfig(head_dim=head_dim, sliding_window=4,
                                 layer_types=["sliding_attention", "full_attention"][:layers]
                                 + ["full_attention"] * (layers - 2), **llama_like)
+    if family == "gemma3_sliding":  # Gemma 3's pattern: five sliding-window layers, one full
+        return Gemma3TextConfig(head_dim=head_dim, sliding_window=4, **llama_like)
+    if family == "gemma2":  # tanh-softcapped attention scores
+        return Gemma2Config(head_dim=head_dim, layer_types=["full_attention"] * layers,
+                            **llama_like)
+    if family == "gpt_oss":  # a learned sink logit per head, in eager attention
+        return GptOssConfig(head_dim=head_dim, num_local_experts=2, num_experts_per_tok=1,
+                            layer_types=["full_attention"] * layers, **llama_like)
+    if family == "lfm2":  # hybrid: short convolutions, then attention
+        return Lfm2Config(**{**llama_like, "num_hidden_layers": max(layers, 2)},
+                          layer_types=["conv", "full_attention"] * (max(layers, 2) // 2))
+    if family == "deepseek_v3":  # MLA: keys and values from one normalised latent
+        return DeepseekV3Config(**{**llama_like, "num_key_value_heads": heads},
+                                kv_lora_rank=2 * head_dim, q_lora_rank=None,
+                                qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim // 2,
+                                v_head_dim=head_dim, n_routed_experts=2, num_experts_per_tok=1,
+                                first_k_dense_replace=layers, moe_intermediate_size=32,
+                                n_group=1, topk_group=1)
     if family == "gpt_neox":
         return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=layers, num_attention_heads=heads,

@@ -1,5 +1,6 @@
 """The plan search: every scheme's candidates scored by held-out loss at one budget."""
 import math
+import re
 
 import pytest
 
@@ -78,6 +79,24 @@ def test_over_budget_candidates_are_left_out_and_no_plan_is_a_refusal():
     with pytest.raises(UnreachableFraction, match="over the budget"):
         best_candidate([candidate(16, lambda: (over, 1.0)), candidate(8, lambda: (over, 1.0))],
                        progress=False)
+
+
+def test_a_budget_no_candidate_reaches_is_refused_with_the_least_any_reaches():
+    over = _plan(16, budget=8.0)
+    over.options = PlanOptions(bits_per_value=4.0, schedule="uniform", rank_multiple=4)
+
+    def refused(lowest):
+        def build():
+            raise UnreachableFraction(f"reaches {lowest}", lowest)
+        return build
+
+    listed = [candidate(16, lambda: (over, 1.0)), candidate(8, refused(6.5)),
+              candidate(4, refused(math.inf))]
+    with pytest.raises(UnreachableFraction, match=re.escape(
+            "bits_per_value 4 is out of reach on this model: the candidates reach [6.500, 16] "
+            "(bits per value); ask for a budget in that range (the least: reaches 6.5)")) as err:
+        best_candidate(listed, progress=False, budget=over.options.budget)
+    assert err.value.lowest == 6.5
 
 
 def test_without_a_loss_the_first_candidate_that_plans_wins_unrecorded():

@@ -1,0 +1,103 @@
+"""Current decoder families beyond classic dense attention, as a new user meets them:
+``compress(model, cache_fraction=0.5)`` then ``generate`` on tiny random models built with
+transformers' own classes (``helpers.families``). Each is compressed, or left unchanged with
+the reason, or refused with the budget's reachable range: never a bare exception."""
+import pytest
+import torch
+
+import lorc_fx
+from helpers.families import build, config_for
+from helpers.pass_helpers import assert_same_generation, compiled, generate, prompt
+from lorc_fx.cache import LatentCache, LatentDynamicLayer
+from lorc_fx.compile.backend import lorc_backend
+from lorc_fx.plan.attention_probe import AttentionProbe, attention_modules
+
+PROMPT = torch.tensor([[1, 5, 7, 9, 11, 13, 17, 19]])
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _generate(model, **kwargs):
+    return model.generate(PROMPT, max_new_tokens=6, do_sample=False, **kwargs)
+
+
+def test_a_hybrid_models_attention_layers_are_compressed_beside_its_convolutions():
+    """LFM2: a convolution layer, then attention. The attention block writes cache layer 1,
+    not 0 (the analysis numbers blocks by the cache layer they write), so its layer is the
+    one compressed and the convolution state is left as transformers keeps it."""
+    model = build(config_for("lfm2"))
+    report = lorc_fx.compress(model, 0.5, latent_bits=16, progress=False)
+    assert [l.layer for l in report.plan.layers] == [1]
+    out = _generate(model, return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert isinstance(cache, LatentCache) and isinstance(cache.layers[1], LatentDynamicLayer)
+    assert not isinstance(cache.layers[0], LatentDynamicLayer)
+    full, kept = report.cache_bytes_per_token()
+    assert kept <= 0.5 * full
+    assert cache.cache_bytes() == kept * (out.sequences.shape[1] - 1)  # the last token: no step
+
+
+def test_a_hybrid_model_at_full_rank_generates_as_before():
+    model = build(config_for("lfm2"))
+    before = _generate(model)
+    lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
+    assert torch.equal(_generate(model), before)
+
+
+def test_a_hybrid_model_at_default_options_is_compressed():
+    model = build(config_for("lfm2"))
+    report = lorc_fx.compress(model, 0.5, progress=False)  # crashed: vector codes, no samples
+    assert report.plan is not None and report.plan.cache_fraction <= 0.5
+    _generate(model)
+
+
+@pytest.mark.parametrize("family, rope", [("gemma2", "commute"), ("gpt_oss", "reconstruct")])
+def test_softcapped_and_sink_attention_is_exact_at_full_rank_eager_and_compiled(family, rope):
+    """gpt-oss in ``reconstruct`` mode also proves its RoPE (halves rotated apart, tables of
+    one value per pair, scaled by YaRN's ``attention_scaling``) turned back exactly."""
+    model = build(config_for(family))
+    ids, mask = prompt()
+    expected = generate(model, ids, mask)
+    report = lorc_fx.compress(model, 1.0, basis="weight", rope=rope, progress=False)
+    assert not report.unsupported and len(report.plan.layers) == 2
+    got = generate(model, ids, mask)
+    assert isinstance(got.past_key_values, LatentCache)
+    assert_same_generation(got, expected)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        got = generate(model, ids, mask)
+    assert isinstance(got.past_key_values, LatentCache)
+    assert_same_generation(got, expected)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcapped_and_sink_attention_is_compressed_at_default_options(family):
+    model = build(config_for(family))
+    report = lorc_fx.compress(model, 0.5, progress=False)
+    assert report.plan.cache_fraction <= 0.5
+    out = _generate(model, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, LatentCache)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_softcapped_and_sink_attention_is_found_and_probed_as_the_model_runs_it(family):
+    """Gemma 2 caps its scores (``cap · tanh(s / cap)``; a cap of 0.1 here, so that the cap
+    shows), gpt-oss joins a learned sink logit per head to them and drops its probability:
+    both act on the scores alone, so each block is matched, with what acts on its scores
+    noted; and the calibration probe runs them as the model's own attention does."""
+    config = config_for(family)
+    config.attn_logit_softcapping = 0.1 if family == "gemma2" else None
+    model = build(config)
+    blocks = lorc_fx.analyze(model)
+    assert [b.supported for b in blocks] == [True, True], [b.reason for b in blocks]
+    assert blocks[0].rope_k.style == "half" and blocks[0].attention_op == "manual"
+    if family == "gemma2":
+        assert blocks[0].notes["softcap"] == 0.1 and blocks[0].scale == 256 ** -0.5
+    else:
+        assert blocks[0].notes["sinks"] == 1 and blocks[0].scale == 16 ** -0.5
+    expected = model(PROMPT).logits
+    with AttentionProbe(model, attention_modules(model, {b.layer: b.k.weight for b in blocks})):
+        got = model(PROMPT).logits
+    torch.testing.assert_close(got, expected)
