@@ -50,8 +50,10 @@ class Vector(Scheme):
     capabilities = Capabilities(static_cache=False, compiled_decode=False, shards=False)
 
     def candidates(self, search: SearchContext) -> list[Candidate]:
-        """One, where the storage is searched and keys may be cached before RoPE."""
-        if not (search.searched and "reconstruct" in search.modes):
+        """One, where the storage is searched, keys may be cached before RoPE and some layer
+        caches value latents (the books are fitted on them)."""
+        if not (search.searched and "reconstruct" in search.modes
+                and any(l.compress_v for l in search.layer_inputs())):
             return []
         name = (f"vector codes (tuples of {TUPLE_DIMS} latent channels at "
                 f"{min(WIDTHS):g}-{max(WIDTHS):g} bits), rope=reconstruct")

@@ -110,7 +110,8 @@ def _out_of_reach(refused: list[UnreachableFraction], budget: Budget) -> Unreach
                                    "on it (" + "; ".join(dict.fromkeys(map(str, refused))) + ")",
                                    math.inf)
     least = min(reaching, key=lambda r: r.lowest)
+    option = "bits_per_value" if budget.in_bits else "cache_fraction"
     return UnreachableFraction(
         f"{budget} is out of reach on this model: the candidates reach [{least.lowest:.3f}, "
-        f"{budget.top:g}] ({budget.unit}); ask for a budget in that range (the least: {least})",
+        f"{budget.top:g}] ({budget.unit}); ask for {option} in that range (the least: {least})",
         least.lowest)

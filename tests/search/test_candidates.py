@@ -94,7 +94,7 @@ def test_a_budget_no_candidate_reaches_is_refused_with_the_least_any_reaches():
               candidate(4, refused(math.inf))]
     with pytest.raises(UnreachableFraction, match=re.escape(
             "bits_per_value 4 is out of reach on this model: the candidates reach [6.500, 16] "
-            "(bits per value); ask for a budget in that range (the least: reaches 6.5)")) as err:
+            "(bits per value); ask for bits_per_value in that range (the least: reaches 6.5)")) as err:
         best_candidate(listed, progress=False, budget=over.options.budget)
     assert err.value.lowest == 6.5
 
@@ -216,3 +216,20 @@ def test_below_plain_quantization_vector_codes_are_measured(model, tmp_path, mon
     above = compress(model, bits_per_value=9.5, basis="weight", schedule="uniform",
                      rope="reconstruct", blocks=blocks, progress=False, calibration=calibration)
     assert not any(c["scheme"] == "vector" for c in above.plan.candidates)
+
+
+def test_vector_codes_are_not_offered_where_no_layer_caches_value_latents(model, tmp_path,
+                                                                          monkeypatch):
+    """Their books are fitted on the cached latents: with none (every layer kept as
+    transformers builds it, as in a hybrid model numbered wrongly) there were no samples and
+    the fit failed with a bare ``StopIteration``."""
+    from lorc_fx.analysis import analyze
+    from lorc_fx.plan.scheme import SCHEMES
+    from lorc_fx.search.planning import search_context
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    search = search_context(model, analyze(model), PlanOptions(bits_per_value=3))
+    assert [c.scheme for c in SCHEMES["vector"].candidates(search)] == ["vector"]
+    for layer in search.layer_inputs():
+        layer.compress_k = layer.compress_v = False
+    assert SCHEMES["vector"].candidates(search) == []
