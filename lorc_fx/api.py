@@ -35,10 +35,11 @@ class NoAttentionFound(ValueError):
         reasons = sorted({b.reason for b in blocks if b.reason})
         kept = layers_kept_as_built(getattr(model, "config", None))
         if not why and any(b.supported for b in blocks):
-            why = (f"every attention layer it could compress keeps the cache layer transformers "
+            why = ("every attention layer it could compress keeps the cache layer transformers "
                    "builds for it, which lorc_fx stores as built: "
                    + ", ".join(f"layer {b.layer} {kept[b.layer]}" for b in blocks
-                            if b.layer in kept))
+                            if b.layer in kept)
+                   + (f"; the others are left alone: {'; '.join(reasons)}" if reasons else ""))
         why = why or (f"its {len(blocks)} attention blocks are left alone: {'; '.join(reasons)}"
                       if blocks else "its traced forward holds no attention")
         super().__init__(f"no attention to compress in {type(model).__name__}: {why}")

@@ -50,10 +50,8 @@ class Vector(Scheme):
     capabilities = Capabilities(static_cache=False, compiled_decode=False, shards=False)
 
     def candidates(self, search: SearchContext) -> list[Candidate]:
-        """One, where the storage is searched, keys may be cached before RoPE and some layer
-        caches value latents (the books are fitted on them)."""
-        if not (search.searched and "reconstruct" in search.modes
-                and any(l.compress_v for l in search.layer_inputs())):
+        """One, where the storage is searched and keys may be cached before RoPE."""
+        if not (search.searched and "reconstruct" in search.modes):
             return []
         name = (f"vector codes (tuples of {TUPLE_DIMS} latent channels at "
                 f"{min(WIDTHS):g}-{max(WIDTHS):g} bits), rope=reconstruct")
@@ -63,6 +61,8 @@ class Vector(Scheme):
     def _build(self, search: SearchContext, name: str) -> tuple[Plan, float | None]:
         if search.options.shards > 1:
             raise UnreachableFraction(f"{name}: not planned over shards", math.inf)
+        if not any(l.compress_v for l in search.layer_inputs()):  # no latents to fit books on
+            raise UnreachableFraction(f"{name}: no layer caches value latents", math.inf)
         cheapest = plain_quantized_plan(search.layer_inputs(), search.candidate_options(
             "commute", min(search.widths), max(search.groups)))
         if not over_budget(cheapest):
@@ -169,9 +169,6 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     share of ``KEY_SHARES``, and that loss."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
-    sides = {side for _, side in coded_sides(full)}
-    if sides != {"k", "v"}:  # before fitting books on samples there would be none of
-        raise UnreachableFraction("vector codes: no layer caches both key and value latents", 0.0)
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
     books, rho = fitted_books(model, blocks, full, windows)

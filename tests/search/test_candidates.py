@@ -218,18 +218,22 @@ def test_below_plain_quantization_vector_codes_are_measured(model, tmp_path, mon
     assert not any(c["scheme"] == "vector" for c in above.plan.candidates)
 
 
-def test_vector_codes_are_not_offered_where_no_layer_caches_value_latents(model, tmp_path,
-                                                                          monkeypatch):
+def test_vector_codes_are_refused_where_no_layer_caches_value_latents(model, tmp_path,
+                                                                      monkeypatch):
     """Their books are fitted on the cached latents: with none (every layer kept as
     transformers builds it, as in a hybrid model numbered wrongly) there were no samples and
-    the fit failed with a bare ``StopIteration``."""
+    the fit failed with a bare ``StopIteration``. Now the candidate is refused before any
+    calibration."""
     from lorc_fx.analysis import analyze
     from lorc_fx.plan.scheme import SCHEMES
     from lorc_fx.search.planning import search_context
 
     monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("lorc_fx.search.context.resolve",
+                        lambda *a: pytest.fail("calibrated a basis"))
     search = search_context(model, analyze(model), PlanOptions(bits_per_value=3))
-    assert [c.scheme for c in SCHEMES["vector"].candidates(search)] == ["vector"]
     for layer in search.layer_inputs():
         layer.compress_k = layer.compress_v = False
-    assert SCHEMES["vector"].candidates(search) == []
+    (vector,) = SCHEMES["vector"].candidates(search)
+    with pytest.raises(UnreachableFraction, match="no layer caches value latents"):
+        vector.build()
