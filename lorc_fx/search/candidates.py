@@ -56,9 +56,9 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
     ``Candidate.build`` plans one and measures its loss, or returns ``None`` where nothing can
     be measured: then the first that plans wins). Candidates out of reach of the budget
     (``UnreachableFraction``) or over it (``over_budget``, where there is more than one
-    candidate) are left out; where none plans, the refusal is raised (one naming the
-    ``budget``, the least any candidate reaches and why each was refused, where there were
-    several). A loss at most ``enough`` ends the search. The plan returned records every
+    candidate) are left out; where none plans, the refusal is raised (where there were
+    several, one naming the ``budget``, the least any candidate reaches and that candidate's
+    refusal, else why each was refused). A loss at most ``enough`` ends the search. The plan returned records every
     candidate measured, best first, in ``Plan.candidates``."""
     from tqdm.auto import tqdm
 
