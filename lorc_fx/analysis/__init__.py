@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from itertools import takewhile
 
 from torch import nn
 
 from .attention_match import match_attention
 from .capture import capture
-from .records import AttentionBlock, named_params
+from .records import AttentionBlock, attention_path, named_params
 from .sharding import block_sharding
 
 
@@ -43,10 +42,9 @@ def cache_layers(model: nn.Module, blocks: list[AttentionBlock]) -> list[Attenti
 
 
 def _layer_idx(model: nn.Module, block: AttentionBlock) -> int | None:
-    names = [p.weight.split(".")[:-1] for p in (block.q, block.k, block.v, block.o) if p]
-    if not names:
+    if not any((block.q, block.k, block.v, block.o)):
         return None
-    path = [parts[0] for parts in takewhile(lambda parts: len(set(parts)) == 1, zip(*names))]
+    path = attention_path(block)
     while True:
         index = getattr(model.get_submodule(".".join(path)), "layer_idx", None)
         if isinstance(index, int):

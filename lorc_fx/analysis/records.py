@@ -7,6 +7,7 @@ about a model's attention: no module class names, no per-family code.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+from itertools import takewhile
 from typing import Any
 
 import torch
@@ -175,14 +176,15 @@ def _json(value):
 
 
 def attention_module(model: nn.Module, block: AttentionBlock) -> nn.Module:
-    """The module that owns both the query and the output projection of a block."""
-    q, o = block.q.weight.split("."), block.o.weight.split(".")
-    common = []
-    for a, b in zip(q, o):
-        if a != b:
-            break
-        common.append(a)
-    return model.get_submodule(".".join(common))
+    """The module that owns every projection found of a block (query, key, value, output:
+    a gated output, as Qwen3-Next's, has no output projection found)."""
+    return model.get_submodule(".".join(attention_path(block)))
+
+
+def attention_path(block: AttentionBlock) -> list[str]:
+    """The module path that :func:`attention_module` names, split at its dots."""
+    names = [p.weight.split(".")[:-1] for p in (block.q, block.k, block.v, block.o) if p]
+    return [parts[0] for parts in takewhile(lambda parts: len(set(parts)) == 1, zip(*names))]
 
 
 def named_params(model: nn.Module) -> dict[str, torch.Tensor]:

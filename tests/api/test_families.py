@@ -40,10 +40,14 @@ def test_a_hybrid_models_attention_layers_are_compressed_beside_its_convolutions
     assert cache.cache_bytes() == kept * (out.sequences.shape[1] - 1)  # the last token: no step
 
 
-def test_a_hybrid_model_at_full_rank_generates_as_before():
-    model = build(config_for("lfm2"))
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_a_hybrid_model_at_full_rank_generates_as_before(family):
+    """Qwen3-Next's attention output is gated before its projection (none is found): its
+    module is the one owning the query, key and value projections."""
+    model = build(config_for(family))
     before = _generate(model)
-    lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
+    report = lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
+    assert [l.layer for l in report.plan.layers] == [1]
     assert torch.equal(_generate(model), before)
 
 

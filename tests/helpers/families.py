@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, GemmaConfig, Gemma2Config,
                           Gemma3TextConfig, GPT2Config, GptOssConfig, GPTNeoXConfig, LlamaConfig,
                           Lfm2Config, MistralConfig, OPTConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config)
+                          Qwen3Config, Qwen3NextConfig)
 
 VOCAB = 96
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "gpt2", "opt", "gemma", "gemma3")
@@ -50,6 +50,14 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
     if family == "lfm2":  # hybrid: short convolutions, then attention
         return Lfm2Config(**{**llama_like, "num_hidden_layers": max(layers, 2)},
                           layer_types=["conv", "full_attention"] * (max(layers, 2) // 2))
+    if family == "qwen3_next":  # hybrid: linear attention, then gated attention
+        return Qwen3NextConfig(**{**llama_like, "num_hidden_layers": max(layers, 2)},
+                               head_dim=head_dim, linear_num_value_heads=2,
+                               linear_num_key_heads=2, linear_key_head_dim=16,
+                               linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                               layer_types=["linear_attention", "full_attention"]
+                               * (max(layers, 2) // 2))
     if family == "deepseek_v3":  # MLA: keys and values from one normalised latent
         return DeepseekV3Config(**{**llama_like, "num_key_value_heads": heads},
                                 kv_lora_rank=2 * head_dim, q_lora_rank=None,
