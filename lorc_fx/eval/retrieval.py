@@ -8,9 +8,10 @@ prompts (``generate`` reads the cache as it decodes, so the scores are decode-ti
 - ``vartrack``: variable tracking over two hops (``VAR A = 12345`` at the depth, ``VAR B = A``
   later, a second chain beside them as distractor); the value of ``B`` is asked.
 
-Filler is generated (short sentences without digits, drawn per prompt), so nothing is read
-from disk or network. A prompt is sized with the model's tokenizer so that it and its answer
-fit ``length`` tokens; each trial places the needle at the next of ``depths``.
+The filler is the passkey test's noise sentences repeated (``NOISE``), so nothing is read
+from disk or network; keys, names and the distractors' depths are drawn per prompt from the
+seed. A prompt is sized with the model's tokenizer so that it and its answer fit ``length``
+tokens; each trial places the needle at the next of ``depths``.
 
 Nothing tunes on these tasks: the planner never reads their prompts. ``HELD_OUT`` names the
 family kept apart for a planner that may one day use the others (with other seeds).
@@ -38,14 +39,10 @@ Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 
 HEADER = ("A long text follows. Hidden in it are facts to remember; a question about them "
           "comes at the end.\n\n")
-_SUBJECTS = ("The grass", "The sky", "A river", "The old road", "The market", "A small boat",
-             "The north wind", "The garden", "A quiet town", "The forest", "The harbour",
-             "An orchard", "The mountain", "A long train", "The bakery", "The library")
-_VERBS = ("lies", "waits", "turns", "shines", "rests", "stretches", "glows", "sleeps",
-          "hums", "drifts")
-_PLACES = ("under the morning sun", "beyond the hills", "near the station", "in the rain",
-           "by the sea", "after dusk", "across the valley", "in early spring",
-           "beside the bridge", "at noon", "through the fog", "along the coast")
+# the haystack of the passkey test (Mohtashami & Jaggi, 2023; RULER's "noise"), repeated: no
+# fact in it, nothing a question could be mistaken for
+NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+         "There and back again.")
 _ADJECTIVES = ("red", "blue", "green", "silver", "golden", "black", "white", "amber")
 _NOUNS = ("heron", "falcon", "otter", "fox", "badger", "lynx", "raven", "salmon", "wolf",
           "hare")
@@ -63,9 +60,8 @@ class Sample:
     needle_char: int  # where the needle (the asked key, or the chain's first step) begins
 
 
-def _filler(rng: random.Random, count: int) -> list[str]:
-    return [f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_PLACES)}."
-            for _ in range(count)]
+def _filler(count: int) -> list[str]:
+    return [NOISE[i % len(NOISE)] for i in range(count)]
 
 
 def _number(rng: random.Random, taken: set[str]) -> str:
@@ -97,8 +93,10 @@ def _facts(task: str, depth: float, rng: random.Random) -> tuple[list[tuple[floa
     a, b, c, d = names
     value, other = _number(rng, taken), _number(rng, taken)
     second, third = rng.random(), rng.random()
-    facts = [(depth, f"VAR {a} = {value}."), (depth + (1 - depth) * rng.random(), f"VAR {b} = {a}."),
-             (min(second, third), f"VAR {c} = {other}."), (max(second, third), f"VAR {d} = {c}.")]
+    facts = [(depth, f"VAR {a} = {value}."),
+             (depth + (1 - depth) * rng.random(), f"VAR {b} = {a}."),
+             (min(second, third), f"VAR {c} = {other}."),
+             (max(second, third), f"VAR {d} = {c}.")]
     return facts, f"What is the value of VAR {b}? The value of VAR {b} is", value
 
 
@@ -126,7 +124,7 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed) -> Sample
     rng = random.Random(f"{task}:{seed}")
     facts, question, answer = _facts(task, depth, rng)
     budget = length - NEW_TOKENS
-    filler = _filler(rng, budget)  # each sentence is at least one token
+    filler = _filler(budget)  # each sentence is at least one token
 
     def build(count: int) -> tuple[str, int, list[int]]:
         prompt, needle = _assemble(filler[:count], facts, question)
@@ -157,8 +155,9 @@ def wilson_interval(correct: int, trials: int, z: float = Z95) -> tuple[float, f
     if trials == 0:
         return 0.0, 1.0
     p = correct / trials
-    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    shrink = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / shrink
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / shrink
     return (0.0 if correct == 0 else centre - half), (1.0 if correct == trials else centre + half)
 
 
