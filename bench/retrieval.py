@@ -36,7 +36,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import lorc_fx  # noqa: E402
 from lorc_fx.eval.retrieval import (HELD_OUT, NEW_TOKENS, TASKS, Accuracy, accuracy,  # noqa: E402
-                                    answers, make_samples, parse_lengths)
+                                    answers, make_samples, parse_lengths,
+                                    same_answer)
 
 QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
 
@@ -63,6 +64,15 @@ def _row(method: str, bits: float, length: int, samples, outputs, seconds: float
                         for s, o in zip(samples, outputs)]}
 
 
+def _cell(row: dict, full: dict | None) -> str:
+    cell = str(Accuracy(row["correct"], row["trials"]))
+    if full is None:
+        return cell
+    same = sum(same_answer(a["output"], b["output"])
+               for a, b in zip(full["outputs"], row["outputs"]))
+    return f"{cell}, same as full {same}/{row['trials']}"
+
+
 def write_table(result: dict, path: Path) -> None:
     rows = result["rows"]
     lengths = sorted({r["length"] for r in rows})
@@ -76,12 +86,16 @@ def write_table(result: dict, path: Path) -> None:
              "Produced by `bench/retrieval.py`.", "",
              "| method | bits per value | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
              "|---|---|" + "---|" * len(lengths)]
+    full = {r["length"]: r for r in rows if r["method"] == "full cache"}
     for m in methods:
         cells = {r["length"]: r for r in rows if r["method"] == m}
         bits = next(iter(cells.values()))["bits_per_value"]
         lines.append(f"| {m} | {bits:.3g} | " + " | ".join(
-            str(Accuracy(cells[n]["correct"], cells[n]["trials"])) if n in cells else "–"
+            _cell(cells[n], full.get(n) if m != "full cache" else None) if n in cells else "–"
             for n in lengths) + " |")
+    lines += ["", "Each cell: correct of the prompts [Wilson 95% interval]; beside the full cache, "
+              "on how many prompts the method gave the full cache's answer, right or wrong. "
+              "Bits per value: the plan's, floats at 16 bits; quanto's nominal (b + 2·16/64)."]
     path.write_text("\n".join(lines) + "\n")
 
 

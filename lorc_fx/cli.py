@@ -187,7 +187,8 @@ def _eval_task(args: argparse.Namespace, options: PlanOptions) -> None:
           f"{report.plan.bits_per_value:.2f} bits per value ({report.plan.scheme.name}); "
           "correct [Wilson 95% interval]:")
     for r in results:
-        print(f"  {r.length:>6} tokens: full {r.full}, compressed {r.compressed}")
+        print(f"  {r.length:>6} tokens: full {r.full}, compressed {r.compressed}; the same "
+              f"answer as full on {r.same_answers}/{r.full.trials}")
     if args.json:
         _write_json(args.json, {
             "task": task.task, "held_out": task.task == HELD_OUT, "trials": task.trials,

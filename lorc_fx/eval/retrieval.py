@@ -186,6 +186,12 @@ def is_correct(answer: str, output: str) -> bool:
     return found is not None and found.group() == answer
 
 
+def same_answer(first: str, second: str) -> bool:
+    """Whether two outputs give the same answer: the same first number, or none in either."""
+    a, b = re.search(r"\d+", first), re.search(r"\d+", second)
+    return (a and a.group()) == (b and b.group())
+
+
 def accuracy(samples: list[Sample], outputs: list[str]) -> Accuracy:
     return Accuracy(sum(is_correct(s.answer, o) for s, o in zip(samples, outputs, strict=True)),
                     len(samples))
@@ -250,10 +256,16 @@ class LengthResult:
     prompt_tokens: float  # mean over the prompts
     outputs: list[dict] = field(default_factory=list)  # per prompt: depth, answer, both outputs
 
+    @property
+    def same_answers(self) -> int:
+        """Prompts the compressed model answered as the full one did, right or wrong: paired,
+        so it sees a change that the two accuracies' overlapping intervals hide."""
+        return sum(same_answer(o["full"], o["compressed"]) for o in self.outputs)
+
     def to_json(self) -> dict:
         return {"length": self.length, "prompt_tokens": self.prompt_tokens,
                 "full": self.full.to_json(), "compressed": self.compressed.to_json(),
-                "outputs": self.outputs}
+                "same_answers": self.same_answers, "outputs": self.outputs}
 
 
 def evaluate_retrieval(model: nn.Module, tokenizer, options: RetrievalOptions | None = None

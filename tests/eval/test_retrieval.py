@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorc_fx.eval.retrieval import (HEADER, NEW_TOKENS, TASKS, Sample, accuracy, is_correct,
-                                    make_samples, wilson_interval)
+                                    make_samples, same_answer, wilson_interval)
 
 
 class WordTokenizer:
@@ -73,6 +73,8 @@ def test_the_scorer_counts_the_first_number_written():
     assert is_correct("12345", " is 12345, so") and not is_correct("12345", "1234 5")
     with pytest.raises(ValueError):
         accuracy(samples, ["12345"])  # an answer missing is an error, not a miss
+    assert same_answer(" 4 apples", "4.") and same_answer("none", "no key")
+    assert not same_answer("12345", "12346") and not same_answer("12345", "none")
 
 
 @pytest.mark.parametrize("correct, trials, low, high", [
@@ -104,6 +106,8 @@ def test_retrieval_end_to_end_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsy
                                                for o in row["outputs"])
             low, high = row[side]["interval95"]
             assert 0 <= low <= row[side]["accuracy"] <= high <= 1
+        assert row["same_answers"] == sum(same_answer(o["full"], o["compressed"])
+                                          for o in row["outputs"])
 
 
 @pytest.mark.parametrize("args, message", [
