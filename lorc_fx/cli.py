@@ -9,7 +9,8 @@ import time
 from dataclasses import MISSING, fields
 
 from lorc_fx.eval.evaluate import DECODE_AFTER
-from lorc_fx.eval.retrieval import HELD_OUT, MIN_LENGTH, TASKS
+from lorc_fx.eval.retrieval import (HELD_OUT, MIN_LENGTH, TASKS, RetrievalOptions,
+                                    parse_lengths)
 from lorc_fx.plan.options import BUDGET_FIELDS, CalibrationOptions, PlanOptions
 
 _SHOW_DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
@@ -139,10 +140,8 @@ def _tensor_parallel() -> bool:
     return dist.get_rank() == 0
 
 
-def _retrieval_options(args: argparse.Namespace):
+def _retrieval_options(args: argparse.Namespace) -> RetrievalOptions:
     """``lorc eval --task``'s options, checked before any model loads."""
-    from lorc_fx.eval.retrieval import RetrievalOptions, parse_lengths
-
     if args.compile or args.tp:
         raise ValueError("--task scores greedy generate eagerly on one process; drop "
                          + ("--compile" if args.compile else "--tp"))
@@ -169,7 +168,7 @@ def _install(args: argparse.Namespace, model, options: PlanOptions, blocks=None)
 def _eval_task(args: argparse.Namespace, options: PlanOptions) -> None:
     """``lorc eval --task``: retrieval accuracy full vs compressed, per length."""
     from lorc_fx.data.models import load_model, load_tokenizer
-    from lorc_fx.eval.retrieval import HELD_OUT, evaluate_retrieval
+    from lorc_fx.eval.retrieval import evaluate_retrieval
 
     task = _retrieval_options(args)
     start = time.perf_counter()
