@@ -9,6 +9,8 @@ import time
 from dataclasses import MISSING, fields
 
 from lorc_fx.eval.evaluate import DECODE_AFTER
+from lorc_fx.eval.retrieval import (HELD_OUT, MIN_LENGTH, TASKS, RetrievalOptions,
+                                    parse_lengths)
 from lorc_fx.plan.options import BUDGET_FIELDS, CalibrationOptions, PlanOptions
 
 _SHOW_DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
@@ -138,9 +140,68 @@ def _tensor_parallel() -> bool:
     return dist.get_rank() == 0
 
 
-def cmd_eval(args: argparse.Namespace) -> None:
+def _retrieval_options(args: argparse.Namespace) -> RetrievalOptions:
+    """``lorc eval --task``'s options, checked before any model loads."""
+    if args.compile or args.tp:
+        raise ValueError("--task scores greedy generate eagerly on one process; drop "
+                         + ("--compile" if args.compile else "--tp"))
+    try:
+        return RetrievalOptions(task=args.task, lengths=parse_lengths(args.lengths),
+                                trials=args.trials, seed=args.seed)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+
+
+def _install(args: argparse.Namespace, model, options: PlanOptions, blocks=None):
+    """``compress`` with the saved ``--plan`` or the plan options: the report."""
     from lorc_fx.analysis import analyze
     from lorc_fx.api import compress
+
+    blocks = analyze(model) if blocks is None else blocks
+    report = (compress(model, blocks=blocks, plan=args.plan) if args.plan
+              else compress(model, blocks=blocks, options=options))
+    if report.plan is None:
+        raise ValueError(report.left_alone)
+    return report
+
+
+def _eval_task(args: argparse.Namespace, options: PlanOptions) -> None:
+    """``lorc eval --task``: retrieval accuracy full vs compressed, per length."""
+    from lorc_fx.data.models import load_model, load_tokenizer
+    from lorc_fx.eval.retrieval import evaluate_retrieval
+
+    task = _retrieval_options(args)
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model)
+    try:  # the context limit is the model's: checked before planning
+        task.check_fits(model)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+    report = _install(args, model, options)
+    planned = time.perf_counter()
+    results = evaluate_retrieval(model, tokenizer, task)
+    held = " (the held-out family)" if task.task == HELD_OUT else ""
+    print(f"{task.task}{held}, greedy, {task.trials} prompts per length, seed {task.seed}, "
+          f"{report.plan.bits_per_value:.2f} bits per value ({report.plan.scheme.name}); "
+          "correct [Wilson 95% interval]:")
+    for r in results:
+        print(f"  {r.length:>6} tokens: full {r.full}, compressed {r.compressed}; the same "
+              f"answer as full on {r.same_answers}/{r.full.trials}")
+    if args.json:
+        _write_json(args.json, {
+            "task": task.task, "held_out": task.task == HELD_OUT, "trials": task.trials,
+            "seed": task.seed, "lengths": list(task.lengths), "scoring": "greedy generate",
+            "results": [r.to_json() for r in results],
+            "cache_fraction": report.plan.cache_fraction,
+            "bits_per_value_plan": report.plan.bits_per_value, "plan": report.to_json(),
+            "seconds": {"load_and_plan": planned - start,
+                        "generate": time.perf_counter() - planned},
+            "machine": _machine()})
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from lorc_fx.analysis import analyze
     from lorc_fx.eval.evaluate import EvalOptions, evaluate, evaluation_inputs
     from lorc_fx.data.models import load_model, load_tokenizer
     from lorc_fx.data.texts import load_text
@@ -150,6 +211,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
                          + ", ".join(f"--{n.replace('_', '-')}" for n in _given_options(args))
                          + ")")
     options = plan_options(args)
+    if args.task:
+        return _eval_task(args, options)
     scoring = EvalOptions(text=args.text, tokens=args.tokens, window=args.window,
                           decode_after=None if args.one_forward else args.decode_after,
                           prompts=args.prompts, new_tokens=args.new_tokens, compile=args.compile)
@@ -161,10 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     model = load_model(args.model, tp_plan="auto" if args.tp else None)
     blocks = analyze(model)
     loaded = time.perf_counter()
-    report = (compress(model, blocks=blocks, plan=args.plan) if args.plan
-              else compress(model, blocks=blocks, options=options))
-    if report.plan is None:
-        raise ValueError(report.left_alone)
+    report = _install(args, model, options, blocks)
     planned = time.perf_counter()
     result = evaluate(model, tokenizer, text, scoring)
     full_bytes, kept_bytes = report.cache_bytes_per_token()
@@ -375,6 +435,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "processes torchrun starts; each caches its own KV heads' latents")
     p.add_argument("--plan", help="install the plan `lorc plan --save` wrote (no calibrating or "
                                   "planning; it must be this model's); plan options are refused")
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="score long-context retrieval instead of perplexity: greedy answers "
+                        f"of the full and the compressed cache on the same synthetic prompts "
+                        f"({HELD_OUT} is the held-out family)")
+    p.add_argument("--lengths", default="1k,2k",
+                   help="--task: tokens of prompt and answer, comma-separated (1k = 1024), "
+                        f"each in [{MIN_LENGTH}, the model's context limit]")
+    p.add_argument("--trials", type=int, default=10, help="--task: prompts per length (>= 1)")
+    p.add_argument("--seed", type=int, default=0, help="--task: seed of the prompts (>= 0)")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 

@@ -1,0 +1,189 @@
+"""Long-context retrieval against context length and bits per value (issue #38): the
+project's plans (``compress(model, bits_per_value=B)``) beside transformers' ``QuantizedCache``
+(optimum-quanto int4 / int2) and the full cache, greedy, on the same prompts.
+
+    OMP_NUM_THREADS=1 python bench/retrieval.py [--task passkey] [--lengths 1k,2k,4k,8k]
+        [--trials 10] [--seed 0] [--budgets 8.5,4.5,3,2.56,1.92] [--plans 2.56=PLAN.safetensors]
+        [--quanto 4,2] [--out bench/results/retrieval-cpu]
+
+The prompts are ``lorc_fx.eval.retrieval.make_samples`` (the tasks of ``lorc eval --task``);
+each method answers every prompt with greedy ``generate`` (``NEW_TOKENS`` tokens, a fresh cache
+per prompt; the answer is right when the first number written is the key). Accuracy comes with
+its Wilson 95% interval.
+
+``--plans B=PATH`` installs a saved plan for budget ``B`` instead of planning it (vector plans
+take tens of minutes to plan on 2 cores). Quanto's cache (``QuantizedCache(backend="quanto")``,
+its defaults: groups of 64, the newest up to 128 tokens unquantized, which after a prompt
+holds only the generated tokens) is reported at its nominal bits per value, floats at 16 bits
+as for the project's plans: ``b + 2 * 16 / 64``. optimum-quanto (``pip install -e ".[peers]"``)
+builds its C++ extension on first use (2.5 min on the 2-core machine).
+
+Writes ``OUT.json`` after every row (rows already there are kept, so a rerun resumes; a row is
+a method at a length), ``OUT.md`` and ``OUT.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+import lorc_fx  # noqa: E402
+from lorc_fx.eval.retrieval import (HELD_OUT, NEW_TOKENS, TASKS, Accuracy, accuracy,  # noqa: E402
+                                    answers, make_samples, parse_lengths,
+                                    same_answer)
+
+QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
+
+
+def quanto_answers(model, tokenizer, samples, bits: int) -> list[str]:
+    """Greedy answers through a fresh ``QuantizedCache`` (quanto, ``bits``) per prompt."""
+    from transformers.cache_utils import QuantizedCache
+
+    config = model.config.get_text_config(decoder=True)
+    out = []
+    for s in tqdm(samples, desc=f"quanto int{bits}", leave=False):
+        ids = torch.tensor([s.input_ids])
+        cache = QuantizedCache(backend="quanto", config=config, nbits=bits)
+        seq = model.generate(ids, past_key_values=cache, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append(tokenizer.decode(seq[0, ids.shape[1]:]))
+    return out
+
+
+def _row(method: str, bits: float, length: int, samples, outputs, seconds: float) -> dict:
+    return {"method": method, "bits_per_value": bits, "length": length,
+            **accuracy(samples, outputs).to_json(), "seconds": seconds,
+            "outputs": [{"depth": s.depth, "answer": s.answer, "output": o}
+                        for s, o in zip(samples, outputs)]}
+
+
+def _cell(row: dict, full: dict | None) -> str:
+    cell = str(Accuracy(row["correct"], row["trials"]))
+    if full is None:
+        return cell
+    same = sum(same_answer(a["output"], b["output"])
+               for a, b in zip(full["outputs"], row["outputs"]))
+    return f"{cell}, same as full {same}/{row['trials']}"
+
+
+def write_table(result: dict, path: Path) -> None:
+    rows = result["rows"]
+    lengths = sorted({r["length"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    s = result["settings"]
+    lines = [f"# Retrieval: {s['task']}{' (held out)' if s['task'] == HELD_OUT else ''}, "
+             f"correct of {s['trials']} [Wilson 95% interval]", "",
+             f"Default model, greedy, {NEW_TOKENS} new tokens, seed {s['seed']}; "
+             f"{result['machine']['cpu']}, {result['machine']['cores']} cores (shared), "
+             f"{result['machine']['threads']} thread(s), torch {result['machine']['torch']}. "
+             "Produced by `bench/retrieval.py`.", "",
+             "| method | bits per value | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|---|" + "---|" * len(lengths)]
+    full = {r["length"]: r for r in rows if r["method"] == "full cache"}
+    for m in methods:
+        cells = {r["length"]: r for r in rows if r["method"] == m}
+        bits = next(iter(cells.values()))["bits_per_value"]
+        lines.append(f"| {m} | {bits:.3g} | " + " | ".join(
+            _cell(cells[n], full.get(n) if m != "full cache" else None) if n in cells else "–"
+            for n in lengths) + " |")
+    lines += ["", "Each cell: correct of the prompts [Wilson 95% interval]; beside the full cache, "
+              "on how many prompts the method gave the full cache's answer, right or wrong. "
+              "Bits per value: the plan's, floats at 16 bits; quanto's nominal (b + 2·16/64)."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
+    for i, m in enumerate(methods):
+        rows = sorted((r for r in result["rows"] if r["method"] == m), key=lambda r: r["length"])
+        x = [r["length"] * (1 + 0.02 * (i - len(methods) / 2)) for r in rows]  # apart
+        y = [r["accuracy"] for r in rows]
+        err = [[a - r["interval95"][0] for a, r in zip(y, rows)],
+               [r["interval95"][1] - a for a, r in zip(y, rows)]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("accuracy (Wilson 95%)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(f"{result['settings']['task']}, {result['settings']['trials']} prompts per length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", default="passkey", choices=TASKS)
+    ap.add_argument("--lengths", default="1k,2k,4k,8k")
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budgets", default="8.5,4.5,3,2.56,1.92", help="bits per value ('' none)")
+    ap.add_argument("--plans", default="", help="B=PATH,...: saved plans for budgets B")
+    ap.add_argument("--quanto", default="4,2", help="quanto bit widths ('' none)")
+    ap.add_argument("--out", default="bench/results/retrieval-cpu")
+    args = ap.parse_args()
+    lengths = parse_lengths(args.lengths)
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    plans = dict(item.split("=", 1) for item in args.plans.split(",") if item)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"task": args.task, "trials": args.trials, "seed": args.seed}
+    saved = Path(f"{out}.json")
+    result = json.loads(saved.read_text()) if saved.exists() else {}
+    if result.get("settings") != settings:
+        result = {"settings": settings, "rows": []}
+    result["machine"] = {"cpu": platform.processor() or platform.machine(),
+                         "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                         "torch": torch.__version__}
+    done = {(r["method"], r["length"]) for r in result["rows"]}
+
+    model, tok = lorc_fx.load_model("default"), lorc_fx.load_tokenizer("default")
+    samples = {n: make_samples(tok, args.task, n, args.trials, args.seed) for n in lengths}
+
+    def run(method: str, bits: float, answer) -> None:
+        for n in lengths:
+            if (method, n) in done:
+                continue
+            start = time.perf_counter()
+            outputs = answer(samples[n])
+            row = _row(method, bits, n, samples[n], outputs, time.perf_counter() - start)
+            result["rows"].append(row)
+            saved.write_text(json.dumps(result, indent=1))
+            print(f"{method:>16} {n:>6} tokens: {Accuracy(row['correct'], row['trials'])}",
+                  flush=True)
+
+    run("full cache", 16.0, lambda s: answers(model, tok, s, compressed=False))
+    for b in budgets:
+        name = f"lorc {b:g}"
+        if all((name, n) in done for n in lengths):
+            continue
+        report = (lorc_fx.compress(model, plan=plans[f"{b:g}"]) if f"{b:g}" in plans
+                  else lorc_fx.compress(model, bits_per_value=b))
+        name_bits = report.plan.bits_per_value
+        run(name, name_bits, lambda s: answers(model, tok, s, compressed=True))
+    for bits in [int(b) for b in args.quanto.split(",") if b]:
+        run(f"quanto int{bits}", bits + 2 * 16 / QUANTO_GROUP,
+            lambda s, bits=bits: quanto_answers(model, tok, s, bits))
+    write_table(result, Path(f"{out}.md"))
+    print(f"wrote {out}.json, {out}.md" + (f", {out}.png" if plot(result, Path(f"{out}.png"))
+                                            else " (no plot: matplotlib is not installed)"))
+
+
+if __name__ == "__main__":
+    main()

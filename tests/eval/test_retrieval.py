@@ -1,0 +1,133 @@
+"""Retrieval tasks: prompts placed and sized as asked, scored and bounded right."""
+import json
+import re
+
+import pytest
+import torch
+
+from lorc_fx.eval.retrieval import (HEADER, NEW_TOKENS, TASKS, Sample, accuracy, is_correct,
+                                    make_samples, same_answer, wilson_interval)
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word."""
+
+    def __call__(self, text, return_tensors=None):
+        ids = [len(w) for w in text.split()]
+        return type("Encoding", (), {"input_ids": torch.tensor([ids]) if return_tensors else ids})()
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_same_seed_same_prompts_other_seed_others(task):
+    tok = WordTokenizer()
+    first, again = make_samples(tok, task, 300, 3, seed=1), make_samples(tok, task, 300, 3, seed=1)
+    assert [s.prompt for s in first] == [s.prompt for s in again]
+    other = make_samples(tok, task, 300, 3, seed=2)
+    assert all(a.prompt != b.prompt and a.answer != b.answer for a, b in zip(first, other))
+    assert len({s.prompt for s in first}) == 3  # each trial its own prompt
+
+
+@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("length", [200, 1000])
+def test_prompt_fills_the_length_and_the_needle_sits_at_its_depth(task, length):
+    """Whitespace tokens: the prompt leaves room for the answer, and one more filler sentence
+    (at most 8 words) would not have fit; the needle's share of the filler before it is the
+    depth asked, to a sentence and the facts' words."""
+    for s in make_samples(WordTokenizer(), task, length, 5, seed=0):
+        budget = length - NEW_TOKENS
+        assert budget - 8 < len(s.input_ids) <= budget
+        question = s.prompt[s.prompt.rindex("\n\n"):]
+        body = _words(s.prompt) - _words(HEADER) - _words(question)
+        before = _words(s.prompt[:s.needle_char]) - _words(HEADER)
+        assert abs(before / body - s.depth) <= (8 + 12 * 4) / body, (s.depth, before, body)
+        assert s.prompt.count(s.answer) == (2 if task == "passkey" else 1)
+
+
+def test_the_question_asks_the_needle_not_a_distractor():
+    multi = make_samples(WordTokenizer(), "multikey", 400, 1, seed=3)[0]
+    name = re.search(r"pass key of the (\w+ \w+)\?", multi.prompt).group(1)
+    assert f"The pass key of the {name} is {multi.answer}." in multi.prompt
+    assert multi.prompt[multi.needle_char:].startswith(f"The pass key of the {name} is")
+    assert len(set(re.findall(r"\b\d{5}\b", multi.prompt))) == 4  # 3 distractors
+    hops = make_samples(WordTokenizer(), "vartrack", 400, 1, seed=3)[0]
+    asked = re.search(r"value of VAR (\w+)\?", hops.prompt).group(1)
+    source = re.search(rf"VAR {asked} = (\w+)\.", hops.prompt).group(1)
+    assert f"VAR {source} = {hops.answer}." in hops.prompt
+    assert hops.prompt.index(f"VAR {source} =") < hops.prompt.index(f"VAR {asked} =")
+
+
+def test_a_length_too_short_for_the_task_is_refused():
+    with pytest.raises(ValueError, match="lengths: 20 tokens cannot hold a passkey prompt"):
+        make_samples(WordTokenizer(), "passkey", 20, 1, seed=0)
+
+
+def test_the_scorer_counts_the_first_number_written():
+    samples = [Sample("passkey", 100, 0.5, "", [], answer, 0) for answer in ("12345", "67890")]
+    assert accuracy(samples, [" 12345.", " 67890 is"]).correct == 2  # a perfect model
+    assert accuracy(samples, [" 12345", " 12345"]).correct == 1  # a distractor's key
+    assert accuracy(samples, [" none", "678901"]).correct == 0
+    assert is_correct("12345", " is 12345, so") and not is_correct("12345", "1234 5")
+    with pytest.raises(ValueError):
+        accuracy(samples, ["12345"])  # an answer missing is an error, not a miss
+    assert same_answer(" 4 apples", "4.") and same_answer("none", "no key")
+    assert not same_answer("12345", "12346") and not same_answer("12345", "none")
+
+
+@pytest.mark.parametrize("correct, trials, low, high", [
+    (0, 10, 0.0, 0.27753), (10, 10, 0.72247, 1.0), (5, 10, 0.23659, 0.76341),
+    (8, 10, 0.49016, 0.94331), (1, 50, 0.00354, 0.10495)])
+def test_wilson_interval_on_known_values(correct, trials, low, high):
+    assert wilson_interval(correct, trials) == pytest.approx((low, high), abs=1e-5)
+
+
+def test_retrieval_end_to_end_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsys):
+    """``lorc eval --task`` plans, generates full and compressed on the same prompts and
+    writes counts consistent with the outputs it records."""
+    from lorc_fx.cli import main
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "task.json"
+    assert main(["eval", "--model", tiny[0], "--task", "multikey", "--lengths", "128,256",
+                 "--trials", "3", "--seed", "4", "--cache-fraction", "0.5", "--latent-bits",
+                 "16", "--basis", "weight", "--schedule", "uniform", "--rope", "commute",
+                 "--json", str(out)]) == 0
+    assert "multikey, greedy, 3 prompts per length" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert (data["task"], data["held_out"], data["lengths"]) == ("multikey", False, [128, 256])
+    for row in data["results"]:
+        assert row["prompt_tokens"] <= row["length"] - NEW_TOKENS
+        for side in ("full", "compressed"):
+            assert row[side]["trials"] == 3 == len(row["outputs"])
+            assert row[side]["correct"] == sum(is_correct(o["answer"], o[side])
+                                               for o in row["outputs"])
+            low, high = row[side]["interval95"]
+            assert 0 <= low <= row[side]["accuracy"] <= high <= 1
+        assert row["same_answers"] == sum(same_answer(o["full"], o["compressed"])
+                                          for o in row["outputs"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "32"], "--lengths must be integers >= 64"),
+    (["--lengths", "1k,two"], "--lengths must be comma-separated integers (1k = 1024)"),
+    (["--trials", "0"], "--trials must be an integer >= 1, got 0"),
+    (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--compile"], "--task scores greedy generate eagerly"),
+])
+def test_task_options_are_refused_before_the_model_loads(tmp_path, args, message, capsys):
+    from lorc_fx.cli import main
+
+    assert main(["eval", "--model", str(tmp_path / "never-loaded"), "--task", "passkey",
+                 *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "not a model directory" not in err
+
+
+def test_a_length_beyond_the_context_limit_is_refused_before_planning(tiny, capsys):
+    from lorc_fx.cli import main
+
+    assert main(["eval", "--model", tiny[0], "--task", "passkey", "--lengths", "1k"]) == 2
+    assert "--lengths must be in [64, 512] for this model" in capsys.readouterr().err
