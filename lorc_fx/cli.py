@@ -439,11 +439,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score long-context retrieval instead of perplexity: greedy answers "
                         f"of the full and the compressed cache on the same synthetic prompts "
                         f"({HELD_OUT} is the held-out family)")
-    p.add_argument("--lengths", default="1k,2k",
+    p.add_argument("--lengths", default=",".join(map(str, RetrievalOptions.lengths)),
                    help="--task: tokens of prompt and answer, comma-separated (1k = 1024), "
                         f"each in [{MIN_LENGTH}, the model's context limit]")
-    p.add_argument("--trials", type=int, default=10, help="--task: prompts per length (>= 1)")
-    p.add_argument("--seed", type=int, default=0, help="--task: seed of the prompts (>= 0)")
+    p.add_argument("--trials", type=int, default=RetrievalOptions.trials,
+                   help="--task: prompts per length (>= 1)")
+    p.add_argument("--seed", type=int, default=RetrievalOptions.seed,
+                   help="--task: seed of the prompts (>= 0)")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 

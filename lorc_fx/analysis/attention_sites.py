@@ -147,8 +147,8 @@ def _walk_scores(node, facts) -> tuple[Node | None, float, str, float | None, in
             node = node.args[0]
         elif name == "sub" and _row_max(node.args[1], node.args[0]):
             node = node.args[0]
-        elif name == "cat" and not sinks and _sink_columns(node, facts):
-            node, sinks = _sink_columns(node, facts)
+        elif name == "cat" and not sinks and (joined := _sink_columns(node, facts)):
+            node, sinks = joined
         elif name in IDENTITY_OPS or name in ("view", "reshape"):
             node = node.args[0]
         elif name in ("mul", "div") and len(derived) == 1 and len(node.args) == 2:

@@ -180,16 +180,20 @@ class Accuracy:
         return f"{self.correct}/{self.trials} [{low:.2f}, {high:.2f}]"
 
 
+def first_number(output: str) -> str | None:
+    """The first number the model wrote, as written; None where it wrote none."""
+    found = re.search(r"\d+", output)
+    return found.group() if found else None
+
+
 def is_correct(answer: str, output: str) -> bool:
     """Whether the first number the model wrote is the answer."""
-    found = re.search(r"\d+", output)
-    return found is not None and found.group() == answer
+    return first_number(output) == answer
 
 
 def same_answer(first: str, second: str) -> bool:
     """Whether two outputs give the same answer: the same first number, or none in either."""
-    a, b = re.search(r"\d+", first), re.search(r"\d+", second)
-    return (a and a.group()) == (b and b.group())
+    return first_number(first) == first_number(second)
 
 
 def accuracy(samples: list[Sample], outputs: list[str]) -> Accuracy:
