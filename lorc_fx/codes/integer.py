@@ -408,8 +408,8 @@ def token_slots(q: QuantizedTensor | SplitTensor, tokens: int, slots: int,
 def splice_tokens(q: QuantizedTensor | SplitTensor, new: QuantizedTensor | SplitTensor,
                   tokens: int, slots: int) -> QuantizedTensor | SplitTensor:
     """``q``'s tokens followed by ``new``'s codes, standing for ``tokens`` tokens in ``slots``
-    token slots (a view of one new tensor; the slots past ``q``'s tokens and ``new``'s hold
-    whatever was there; ``slots`` at most ``q``'s slots plus ``new``'s). Every size is
+    token slots (one new tensor; the slots past ``q``'s tokens and ``new``'s hold copies of
+    other slots; ``slots`` at most ``q``'s slots plus ``new``'s). Every size is
     arithmetic of the inputs' sizes and nothing depends on how many of ``new``'s tokens are
     kept, so a traced caller needs no branch on it."""
     if isinstance(q, SplitTensor):
@@ -418,10 +418,14 @@ def splice_tokens(q: QuantizedTensor | SplitTensor, new: QuantizedTensor | Split
     at = q.shape[2] // per
 
     def spliced(old: torch.Tensor, fresh: torch.Tensor, d: int) -> torch.Tensor:
+        # gathered from one concatenation: Inductor (CPU) writes each part of a `cat` into its
+        # slice once, where a slice_scatter of `fresh` computed it again, quantization inline,
+        # for every slot of the result (1.4 against 0.47 ms per 1024-token append, docs/design.md)
         d %= old.dim()
-        both = torch.cat([old, fresh], dim=d)  # long enough; `fresh` then goes after q's tokens
-        both = both.slice_scatter(fresh, dim=d, start=at, end=at + fresh.shape[d])
-        return both.narrow(d, 0, slots // per)
+        both = torch.cat([old, fresh], dim=d)
+        slot = torch.arange(slots // per, device=old.device)
+        from_fresh = (slot - at + old.shape[d]).clamp(max=both.shape[d] - 1)
+        return both.index_select(d, torch.where(slot < at, slot, from_fresh))
 
     return QuantizedTensor(spliced(q.payload, new.payload, dim),
                            spliced(q.scale, new.scale, scale_dim),
