@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from lorc_fx.plan.planner import Code, LayerPlan
@@ -206,6 +206,86 @@ class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
         self._new_stores()
         if self._log() is not None:
             self._log().reset()
+
+
+class LatentSlidingLayer(LatentDynamicLayer, DynamicSlidingWindowLayer):
+    """A sliding-window (or chunked) layer over stores: transformers'
+    ``DynamicSlidingWindowLayer`` semantics, each side held by the store of its code.
+
+    As transformers' layer, ``update`` returns the tokens kept before it (at most the last
+    ``sliding_window - 1``) followed by every new token (a prefill longer than the window
+    included), then keeps the last ``sliding_window - 1`` tokens; ``get_seq_length`` is every
+    token seen (``cumulative_length``) and ``get_mask_sizes`` is transformers'. Codes are
+    dropped in whole groups only (never re-quantized), so the layer may hold up to G - 1
+    tokens more than the window as codes; what is returned is always exactly the window.
+    ``activate_past_recording`` and ``crop`` work as transformers' do. Keys cached before
+    RoPE are not supported here (the RoPE angle log is the whole cache's)."""
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int, bases: LatentCodec, k_code: Code = None,
+                 v_code: Code = None):
+        if bases.rope_style is not None:
+            raise ValueError("a sliding-window layer cannot cache keys before RoPE")
+        DynamicSlidingWindowLayer.__init__(self, sliding_window)
+        self.bases, self.logs_rotary, self.codes = bases, False, (k_code, v_code)
+        self._new_stores()
+
+    def held(self) -> int:
+        """Tokens the stores hold (the window, and up to G - 1 older ones in codes)."""
+        return self.k_store.tokens(self.keys) if self.is_initialized else 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        shown = min(self.held(), self.sliding_window - 1) + key_states.shape[-2]
+        self.cumulative_length += key_states.shape[-2]
+        k, v = self.bases.compress(key_states, value_states)
+        self.keys = self.k_store.append(self.keys, k)
+        self.values = self.v_store.append(self.values, v)
+        k, v = self.latents()
+        if k.shape[-2] > shown:
+            k, v = k[..., -shown:, :], v[..., -shown:, :]
+        if not self.record_past:
+            self._slide(0)
+        return self.bases.expand(k, v)
+
+    def _slide(self, removed: int) -> None:
+        """Drop the ``removed`` newest tokens, then the oldest beyond the last
+        ``sliding_window - 1`` (as many as both stores can: whole groups of codes)."""
+        if removed:
+            keep = self.held() - removed
+            self.keys = self.k_store.cut(self.keys, keep)
+            self.values = self.v_store.cut(self.values, keep)
+        excess = self.held() - (self.sliding_window - 1)
+        if excess > 0:
+            tokens = min(self.k_store.droppable(self.keys, excess),
+                         self.v_store.droppable(self.values, excess))
+            self.keys = self.k_store.drop(self.keys, tokens)
+            self.values = self.v_store.drop(self.values, tokens)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As ``DynamicSlidingWindowLayer.crop``: below the window, that of a full layer; at or
+        beyond it, only with past recording on, ``-n`` removing the ``n`` newest tokens and
+        ``0`` restricting the layer back to its window."""
+        if self.get_seq_length() < self.sliding_window:
+            LatentDynamicLayer.crop(self, tokens_to_remove)
+            self.cumulative_length = self.held()
+            return
+        if not self.record_past:
+            raise RuntimeError("`crop` was called, but the current layer does not track past "
+                               "states, and the sliding window size was already reached. Call "
+                               "`activate_past_recording` before `crop` to be able to rollback "
+                               "the cache.")
+        if tokens_to_remove > 0:
+            raise RuntimeError("Once the sliding window size has been reached, a sliding layer "
+                               "can only be cropped by passing a negative int, to specify how "
+                               "many tokens to remove")
+        self._slide(-tokens_to_remove)
+        self.cumulative_length -= -tokens_to_remove
 
 
 class LatentStaticLayer(_RotaryLogOwner, StaticLayer):

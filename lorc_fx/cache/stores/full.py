@@ -20,6 +20,13 @@ class FullStore:
     def cut(self, window: torch.Tensor, keep: int) -> torch.Tensor:
         return window[..., :keep, :]
 
+    def droppable(self, window: torch.Tensor, tokens: int) -> int:
+        return tokens
+
+    def drop(self, window: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Drop the oldest ``tokens`` tokens; returns the window."""
+        return window[..., tokens:, :] if tokens else window
+
     def map_batch(self, fn) -> None:
         pass
 

@@ -1,0 +1,105 @@
+"""``LatentSlidingLayer``: a sliding-window (or chunked) cache layer over stores mirrors
+transformers' ``DynamicSlidingWindowLayer`` step for step (what ``update`` returns, what it
+keeps, ``get_seq_length``, ``get_mask_sizes``, crop with past recording, beams and batch
+repeat/select): exactly with keys and values kept full, within the codes' rounding with
+plain integer codes, which it drops in whole groups and counts as it holds them."""
+import pytest
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from lorc_fx.cache import LatentCodec, LatentSlidingLayer
+from lorc_fx.codes.integer import QuantSpec
+
+WINDOW, GROUP, HEADS, DIM = 6, 4, 2, 8
+# a prefill within the window, decode steps past it, a prefill longer than the window
+STEPS = (3, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1)
+
+
+def _layers(coded: bool):
+    codes = ((QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM)) if coded
+             else (None, None))
+    return (DynamicSlidingWindowLayer(WINDOW),
+            LatentSlidingLayer(WINDOW, LatentCodec(None, None, HEADS), *codes))
+
+
+def _states(tokens: int, seed: int, batch: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, HEADS, tokens, DIM, generator=g),
+            torch.randn(batch, HEADS, tokens, DIM, generator=g))
+
+
+def _same(got, expected, coded: bool):
+    if coded:  # 8-bit codes of N(0, 1) values: within half a step of a range of ~6
+        torch.testing.assert_close(got, expected, atol=0.03, rtol=0)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_updates_return_and_keep_what_transformers_sliding_layer_does(coded):
+    reference, layer = _layers(coded)
+    extra = 0
+    for step, tokens in enumerate(STEPS):
+        assert layer.get_mask_sizes(tokens) == reference.get_mask_sizes(tokens)
+        k, v = _states(tokens, step)
+        want_k, want_v = reference.update(k, v)
+        got_k, got_v = layer.update(k, v)
+        assert got_k.shape == want_k.shape
+        _same(got_k, want_k, coded)
+        _same(got_v, want_v, coded)
+        assert layer.get_seq_length() == reference.get_seq_length()
+        held = layer.held()
+        # what it holds: the window, and as codes at most G - 1 older tokens (whole groups)
+        assert reference.keys.shape[-2] <= held <= reference.keys.shape[-2] + (GROUP - 1) * coded
+        extra = max(extra, held - reference.keys.shape[-2])
+        tensors = layer.tensors()
+        if not coded:
+            assert sum(t.numel() for t in tensors) == sum(
+                t.numel() for t in (reference.keys, reference.values))
+    assert extra == (GROUP - 1) * coded  # the codes were dropped in whole groups
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_crop_with_past_recording_beams_and_batch_select_follow_transformers(coded):
+    reference, layer = _layers(coded)
+    for l in (reference, layer):
+        l.activate_past_recording()
+    for step, tokens in enumerate((3, 5, 1, 2)):
+        k, v = _states(tokens, step)
+        for l in (reference, layer):
+            l.update(k, v)
+    for crop in (-2, 0):
+        for l in (reference, layer):
+            l.crop(crop)
+        assert layer.get_seq_length() == reference.get_seq_length()
+        assert layer.get_mask_sizes(1) == reference.get_mask_sizes(1)
+    beams = torch.tensor([1, 0])
+    for l in (reference, layer):
+        l.reorder_cache(beams)
+        l.batch_repeat_interleave(2)
+        l.batch_select_indices(torch.tensor([0, 3]))
+    k, v = _states(1, 99)
+    want_k, want_v = reference.update(k, v)
+    got_k, got_v = layer.update(k, v)
+    assert got_k.shape == want_k.shape
+    _same(got_k, want_k, coded)
+    _same(got_v, want_v, coded)
+
+
+def test_without_past_recording_a_full_window_refuses_crop_as_transformers_does():
+    reference, layer = _layers(True)
+    k, v = _states(WINDOW + 1, 0)
+    for l in (reference, layer):
+        l.update(k, v)
+        with pytest.raises(RuntimeError, match="activate_past_recording"):
+            l.crop(-1)
+
+
+def test_reset_empties_the_layer():
+    _, layer = _layers(True)
+    layer.update(*_states(9, 0))
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.held() == 0
+    k, v = _states(2, 1)
+    got, _ = layer.update(k, v)
+    assert got.shape[-2] == 2
