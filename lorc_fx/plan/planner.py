@@ -571,7 +571,8 @@ def latent_code(options: PlanOptions, dtype_bits: int, compressed: bool, rank: i
 def sliding_note(kind: str, window: int, coded: bool) -> str:
     """What a sliding-window layer of ``window`` tokens stores, for its plan's note."""
     held = f"{kind}, a window of {window} tokens: holds its last {window - 1}"
-    return (f"{held} as codes (whole groups dropped as they leave it)" if coded
+    return (f"{held}, coded as the other layers (codes dropped in whole groups as they "
+            "leave it)" if coded
             else f"{held} (kept full: only plain codes store a sliding layer)")
 
 

@@ -142,7 +142,8 @@ def test_sliding_window_layers_store_codes_at_default_options(family, layers):
     report = lorc_fx.compress(model, 0.3, progress=False)
     assert report.plan.cache_fraction <= 0.3
     assert all(l.k_code is not None and l.v_code is not None for l in report.plan.layers)
-    assert any("sliding_attention" in l.note for l in report.plan.layers)
+    said = [line for line in str(report).splitlines() if line.startswith("layer")]
+    assert any("sliding_attention" in line and "keys int8" in line for line in said)
     ids = torch.randint(3, 90, (2, 64), generator=torch.Generator().manual_seed(0))
     out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
     cache = out.past_key_values
