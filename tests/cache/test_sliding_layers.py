@@ -103,3 +103,19 @@ def test_reset_empties_the_layer():
     k, v = _states(2, 1)
     got, _ = layer.update(k, v)
     assert got.shape[-2] == 2
+
+
+def test_a_static_cache_refuses_a_coded_sliding_layer_and_keeps_a_full_one_as_built():
+    from transformers import Gemma3TextConfig
+    from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
+
+    from lorc_fx.cache import LatentCache
+
+    config = Gemma3TextConfig(num_hidden_layers=1, layer_types=["sliding_attention"],
+                              sliding_window=4, num_key_value_heads=HEADS, head_dim=DIM)
+    bases = {0: LatentCodec(None, None, HEADS)}
+    codes = {0: (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))}
+    with pytest.raises(ValueError, match="static cache .* does not support"):
+        LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases, codes)
+    kept = LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases)
+    assert type(kept.layers[0]) is StaticSlidingWindowLayer
