@@ -13,7 +13,8 @@ from lorc_fx.codes.vector import VectorBook
 from lorc_fx.plan.options import STORED_FLOAT_BITS
 from lorc_fx.plan.planner import Code, Plan
 
-from .layers import LatentCodec, LatentDynamicLayer, LatentSlidingLayer, LatentStaticLayer
+from .layers import (LatentCodec, LatentDynamicLayer, LatentSlidingLayer, LatentStaticLayer,
+                     LatentStaticSlidingLayer)
 from .rotary import RotaryLog
 
 SideCodes = tuple[Code, Code]  # (keys, values)
@@ -57,7 +58,7 @@ def sliding_windows(config) -> dict[int, tuple[str, int]]:
             if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) is DynamicSlidingWindowLayer}
 
 
-LatentLayer = LatentDynamicLayer | LatentStaticLayer
+LatentLayer = LatentDynamicLayer | LatentStaticLayer | LatentStaticSlidingLayer
 
 
 class LatentCache(Cache):
@@ -95,10 +96,9 @@ class LatentCache(Cache):
             k_code, v_code = codes.get(i, (None, None))
             if i in bases and type(layer) is StaticSlidingWindowLayer \
                     and (k_code is not None or v_code is not None):
-                raise ValueError(f"layer {i} is a sliding-window layer stored as codes, which a "
-                                 "static cache (cache_implementation='static') does not support "
-                                 "yet: use the dynamic cache (generate's default)")
-            if i in bases and type(layer) is DynamicSlidingWindowLayer:
+                layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
+                                                 bases[i], k_code, v_code)
+            elif i in bases and type(layer) is DynamicSlidingWindowLayer:
                 if isinstance(k_code, VectorBook) or isinstance(v_code, VectorBook):
                     raise ValueError(f"layer {i}: a sliding-window layer cannot hold vector codes")
                 layer = LatentSlidingLayer(layer.sliding_window, bases[i], k_code, v_code)
@@ -154,7 +154,7 @@ class LatentCache(Cache):
             if not isinstance(layer, LatentLayer):
                 total += keys.numel() + values.numel()
                 continue
-            tokens = (layer.max_cache_len if isinstance(layer, StaticLayer)
+            tokens = (getattr(layer, "ring", layer.max_cache_len) if isinstance(layer, StaticLayer)
                       else layer.k_store.tokens(layer.keys))
             for basis, stored in ((layer.bases.k_basis, keys), (layer.bases.v_basis, values)):
                 width = basis.shape[1] if basis is not None else stored.shape[1] * stored.shape[3]

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer,
+                                     StaticSlidingWindowLayer)
 from transformers.utils import is_torchdynamo_compiling
 
 from lorc_fx.plan.planner import Code, LayerPlan
@@ -353,6 +354,112 @@ class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
             t.zero_()
         if self._log() is not None:
             self._log().reset()
+
+    def offload(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")
+
+
+class LatentStaticSlidingLayer(StaticSlidingWindowLayer):
+    """A static sliding-window (or chunked) layer over stores: transformers'
+    ``StaticSlidingWindowLayer`` semantics (``get_seq_length``, ``get_mask_sizes``, what
+    ``update`` returns), each side held by the static store of its code in a **ring buffer**
+    of ``ring`` token slots, token ``p`` at slot ``p mod ring``: the window ``W`` (the
+    layer's ``max_cache_len``: the sliding window, or fewer) rounded up to whole groups of G,
+    plus two groups, so a write (at most G tokens at a time, the groups it stages included)
+    never reaches a slot a token of the window still holds.
+
+    What ``update`` returns, as transformers' layer: while the window is not yet full, its
+    ``W`` slots in order (positions past the length are masked), as stored; a single token
+    into a full window, the last ``W`` tokens in order, as stored; more tokens than fit
+    (a prefill or continuation past the window), the window's last tokens as stored followed
+    by the new tokens as they came. A write longer than the window writes only what it will
+    keep (from a whole group on). Keys cached before RoPE are not supported here."""
+
+    def __init__(self, max_cache_len: int, sliding_window: int, bases: LatentCodec,
+                 k_code: Code = None, v_code: Code = None):
+        if bases.rope_style is not None:
+            raise ValueError("a sliding-window layer cannot cache keys before RoPE")
+        super().__init__(max_cache_len, sliding_window)
+        self.bases = bases
+        self.k_store, self.v_store = static_store(k_code), static_store(v_code)
+        self.group = settle_group((k_code, v_code))
+        self.ring = (-(-self.max_cache_len // self.group) + 2) * self.group
+        self.position = torch.tensor(0, dtype=torch.long)  # tokens written, as a tensor
+
+    def lazy_initialization(self, key_states, value_states):
+        self.bases = self.bases.to(key_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = self.k_store.allocate(key_states, self.bases.k_basis, self.ring, ring=True)
+        self.values = self.v_store.allocate(value_states, self.bases.v_basis, self.ring, ring=True)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.position = self.position.to(self.device)
+        if not is_torchdynamo_compiling():
+            for tensor in (*self.tensors(), self.cumulative_length, self.position):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer the layer holds: windows (a full side's whole ring), packed codes,
+        scales, zero points."""
+        return [self.keys, self.values, *self.k_store.tensors(), *self.v_store.tensors()]
+
+    def _ring(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both sides over the ring's slots, decoded."""
+        return self.k_store.read(self.keys), self.v_store.read(self.values)
+
+    def _in_order(self, sides, first: torch.Tensor, count: int):
+        """``count`` tokens from position ``first`` (a tensor) on, in order, of ring ``sides``."""
+        index = (torch.arange(count, device=self.device) + first) % self.ring
+        return tuple(side.index_select(2, index) for side in sides)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v`` at ``position`` on, at most G tokens at a time."""
+        for at in range(0, k.shape[-2], self.group):
+            chunk_k, chunk_v = k[..., at:at + self.group, :], v[..., at:at + self.group, :]
+            positions = torch.arange(chunk_k.shape[-2], device=self.device) + self.position
+            self.k_store.write(self.keys, chunk_k, positions % self.ring, self.position)
+            self.v_store.write(self.values, chunk_v, positions % self.ring, self.position)
+            self.position.add_(chunk_k.shape[-2])
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        tokens, current, window = key_states.shape[-2], self.cumulative_length_int, self.max_cache_len
+        self.cumulative_length_int += tokens
+        k, v = self.bases.compress(key_states, value_states)
+        if current + tokens <= window or (current >= window and tokens == 1):
+            self._write(k, v)
+            if current + tokens <= window:
+                self.cumulative_length.add_(tokens)
+                sides = tuple(side.narrow(2, 0, window) for side in self._ring())
+            else:
+                sides = self._in_order(self._ring(), self.position - window, window)
+            return self.bases.expand(*sides)
+        # more than the window holds: its last tokens as stored, then the new ones as they came
+        kept = min(current, window - 1)
+        old = self._in_order(self._ring(), self.position - kept, kept)
+        skip = max(0, (current + tokens - window) // self.group * self.group - current)
+        if skip:  # tokens that leave the window at once: written from a whole group on
+            self.position.add_(skip)
+        self._write(k[..., skip:, :], v[..., skip:, :])
+        old = self.bases.expand(*old)
+        return (torch.cat([old[0], key_states], dim=-2), torch.cat([old[1], value_states], dim=-2))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for t in self.tensors():
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def reset(self) -> None:
+        super().reset()
+        for t in self.tensors() if self.is_initialized else ():
+            t.zero_()
+        self.position.zero_()
 
     def offload(self):
         raise NotImplementedError("offloading a static latent layer is not supported: its "

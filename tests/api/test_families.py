@@ -8,7 +8,8 @@ import torch
 import lorc_fx
 from helpers.families import build, config_for
 from helpers.pass_helpers import assert_same_generation, compiled, generate, prompt
-from lorc_fx.cache import LatentCache, LatentDynamicLayer, LatentSlidingLayer
+from lorc_fx.cache import (LatentCache, LatentDynamicLayer, LatentSlidingLayer,
+                          LatentStaticSlidingLayer)
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.attention_probe import AttentionProbe, attention_modules
 
@@ -137,7 +138,8 @@ def test_sliding_window_layers_at_full_precision_generate_as_before(family, laye
 def test_sliding_window_layers_store_codes_at_default_options(family, layers):
     """Every layer compresses (Gemma 3 was refused below 0.839 when its sliding layers stayed
     full; two layers: all sliding), and a context within the window (64 tokens, a window of
-    128) holds exactly the bytes the report says."""
+    128) holds exactly the bytes the report says; past the window the sliding layers hold
+    it alone, and (Qwen2) a static cache holds them in a ring of codes, compiled as eager."""
     model = _sliding_model(family, layers, window=128)
     report = lorc_fx.compress(model, 0.3, progress=False)
     assert report.plan.cache_fraction <= 0.3
@@ -153,3 +155,8 @@ def test_sliding_window_layers_store_codes_at_default_options(family, layers):
     out = _generate(model, return_dict_in_generate=True)
     sliding = [l for l in out.past_key_values.layers if isinstance(l, LatentSlidingLayer)]
     assert sliding and all(l.held() == 3 for l in sliding)
+    if family == "qwen2_sliding":  # a static cache: sliding layers in a ring of codes
+        static = _generate(model, cache_implementation="static", return_dict_in_generate=True)
+        assert LatentStaticSlidingLayer in [type(l) for l in static.past_key_values.layers]
+        with compiled(model, lorc_backend.with_options(inductor=False)):
+            assert torch.equal(_generate(model, cache_implementation="static"), static.sequences)

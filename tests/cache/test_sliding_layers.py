@@ -105,17 +105,50 @@ def test_reset_empties_the_layer():
     assert got.shape[-2] == 2
 
 
-def test_a_static_cache_refuses_a_coded_sliding_layer_and_keeps_a_full_one_as_built():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_static_sliding_layer_returns_what_transformers_static_sliding_layer_does(bits):
+    """The ring buffer of codes against transformers' ``StaticSlidingWindowLayer``: the same
+    mask sizes and lengths, what ``update`` returns within the codes' rounding (on the
+    positions the mask lets through), beams, and reset."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    from lorc_fx.cache import LatentStaticSlidingLayer
+
+    codes = (QuantSpec.per_channel(bits, GROUP), QuantSpec.per_token(bits, DIM))
+    reference = StaticSlidingWindowLayer(32, WINDOW)
+    layer = LatentStaticSlidingLayer(32, WINDOW, LatentCodec(None, None, HEADS), *codes)
+    atol = 0.02 if bits == 8 else 0.25
+    for step, tokens in enumerate((3, 1, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1, 13, 1) * 2):
+        if step == 14:
+            for l in (reference, layer):
+                l.reorder_cache(torch.tensor([1, 0]))
+        assert layer.get_mask_sizes(tokens) == reference.get_mask_sizes(tokens)
+        visible = min(reference.get_seq_length() + tokens, WINDOW) \
+            if reference.get_seq_length() + tokens <= WINDOW else None
+        k, v = _states(tokens, step)
+        want_k, want_v = reference.update(k, v)
+        got_k, got_v = layer.update(k, v)
+        assert got_k.shape == want_k.shape and got_v.shape == want_v.shape
+        n = want_k.shape[-2] if visible is None else visible
+        torch.testing.assert_close(got_k[..., :n, :], want_k[..., :n, :], atol=atol, rtol=0)
+        torch.testing.assert_close(got_v[..., :n, :], want_v[..., :n, :], atol=atol, rtol=0)
+        assert layer.get_seq_length() == reference.get_seq_length()
+    assert layer.ring == 16  # the window (6) in whole groups of 4, and two groups more
+    layer.reset()
+    assert layer.get_seq_length() == 0 and int(layer.position) == 0
+
+
+def test_a_static_cache_codes_a_sliding_layer_in_a_ring_and_keeps_a_full_one_as_built():
     from transformers import Gemma3TextConfig
     from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 
-    from lorc_fx.cache import LatentCache
+    from lorc_fx.cache import LatentCache, LatentStaticSlidingLayer
 
     config = Gemma3TextConfig(num_hidden_layers=1, layer_types=["sliding_attention"],
                               sliding_window=4, num_key_value_heads=HEADS, head_dim=DIM)
     bases = {0: LatentCodec(None, None, HEADS)}
     codes = {0: (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))}
-    with pytest.raises(ValueError, match="static cache .* does not support"):
-        LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases, codes)
+    coded = LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases, codes)
+    assert type(coded.layers[0]) is LatentStaticSlidingLayer
     kept = LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases)
     assert type(kept.layers[0]) is StaticSlidingWindowLayer

@@ -42,7 +42,7 @@ class FullStaticStore:
     in place at the cache positions (as transformers' ``StaticLayer`` writes keys)."""
 
     def allocate(self, states: torch.Tensor, basis: torch.Tensor | None,
-                 max_cache_len: int) -> torch.Tensor:
+                 max_cache_len: int, ring: bool = False) -> torch.Tensor:
         return buffer(states, basis, max_cache_len)
 
     def write(self, window: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
