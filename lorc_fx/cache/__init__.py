@@ -7,5 +7,5 @@ from .layers import (LatentCodec, LatentDynamicLayer, LatentSlidingLayer, Latent
                      LatentStaticSlidingLayer)
 
 __all__ = ["LatentCache", "LatentCodec", "LatentDynamicLayer", "LatentSlidingLayer",
-           "LatentStaticLayer", "LatentStaticSlidingLayer", "angles_handed", "codecs", "install", "latent_cache",
-           "layers_kept_as_built", "sliding_windows"]
+           "LatentStaticLayer", "LatentStaticSlidingLayer", "angles_handed", "codecs",
+           "install", "latent_cache", "layers_kept_as_built", "sliding_windows"]

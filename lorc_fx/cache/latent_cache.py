@@ -47,14 +47,16 @@ def layers_kept_as_built(config) -> dict[int, str]:
     Plain full-attention layers become latent ones and sliding-window (or chunked) layers
     :class:`LatentSlidingLayer` s (:func:`sliding_windows`), so a plan must count the others
     full."""
+    ours = (DynamicLayer, DynamicSlidingWindowLayer)
     return {i: kind for i, (kind, _) in enumerate(_layer_kinds(config))
-            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) not in (DynamicLayer, DynamicSlidingWindowLayer)}
+            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) not in ours}
 
 
 def sliding_windows(config) -> dict[int, tuple[str, int]]:
     """The sliding-window layers (``sliding_attention``, ``chunked_attention``: one cache
     layer in transformers) of this model config: index → (layer type, window in tokens)."""
-    return {i: (kind, kwargs["sliding_window"]) for i, (kind, kwargs) in enumerate(_layer_kinds(config))
+    return {i: (kind, kwargs["sliding_window"])
+            for i, (kind, kwargs) in enumerate(_layer_kinds(config))
             if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) is DynamicSlidingWindowLayer}
 
 

@@ -429,7 +429,8 @@ class LatentStaticSlidingLayer(StaticSlidingWindowLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        tokens, current, window = key_states.shape[-2], self.cumulative_length_int, self.max_cache_len
+        tokens, current = key_states.shape[-2], self.cumulative_length_int
+        window = self.max_cache_len
         self.cumulative_length_int += tokens
         k, v = self.bases.compress(key_states, value_states)
         if current + tokens <= window or (current >= window and tokens == 1):
