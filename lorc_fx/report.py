@@ -9,7 +9,8 @@ from pathlib import Path
 from lorc_fx.analysis.records import AttentionBlock, Projection, RopeLayout
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.options import SELF_TEXT
-from lorc_fx.plan.planner import Plan
+from lorc_fx.codes.integer import ChannelSplit, QuantSpec
+from lorc_fx.plan.planner import Code, LayerPlan, Plan
 
 
 def plan_table(plan: Plan) -> str:
@@ -36,12 +37,53 @@ def plan_table(plan: Plan) -> str:
             "every decode step, so long-context decode gains less speed than the cache shrinks "
             "(bench/results/long_context_lowrank-cpu.md); objective='speed' (--objective speed) "
             "caches keys after RoPE instead")
+    lines += layer_lines(plan)
     if plan.candidates:
         lines.append("candidates measured (held-out calibration loss, best first; a loss within "
                      "0.002 of the uncompressed model's ends the search):")
         lines += [f"  {c['loss']:.4f}  {c['bits_per_value']:6.3f} bits/value  {c['candidate']}"
                   for c in plan.candidates]
     return "\n".join(lines)
+
+
+def _side(code: Code, rank: int, full: int, latent: bool) -> str:
+    """What one side of a layer stores, in a few words."""
+    of = f" of a {rank}-wide latent" if latent and rank < full else ""
+    if rank == 0:
+        return "nothing (rank 0)"
+    if code is None:
+        return ("in the model's dtype" + of) if of else "in the model's dtype"
+    if isinstance(code, ChannelSplit):
+        return "water-filled widths " + "+".join(f"{c}×{b}b" for c, b in code.parts) + of
+    if isinstance(code, QuantSpec):
+        axis = "channel" if code.axis % 4 == 2 else "token"
+        return f"int{code.bits} per {axis} G{code.group}{of}"
+    return f"vector codes{of}"
+
+
+def _layer_words(plan: Plan, l: LayerPlan) -> str:
+    if l.skipped:
+        return f"kept full ({l.note})" if l.note else "kept full"
+    latent = not plan.scheme.identity_bases
+    words = (f"keys {_side(l.k_code, l.k_rank, l.k_full, latent and l.k_compressible)}, "
+             f"values {_side(l.v_code, l.v_rank, l.v_full, latent and l.v_compressible)}")
+    return f"{words}; {l.note}" if l.note else words
+
+
+def layer_lines(plan: Plan) -> list[str]:
+    """What each layer stores, layers storing alike on one line ("layers 0-4, 6: ...")."""
+    groups: dict[str, list[int]] = {}
+    for l in plan.layers:
+        groups.setdefault(_layer_words(plan, l), []).append(l.layer)
+    lines = []
+    for words, layers in groups.items():
+        runs, start = [], layers[0]
+        for prev, cur in zip(layers, layers[1:] + [None]):
+            if cur != prev + 1:
+                runs.append(str(start) if start == prev else f"{start}-{prev}")
+                start = cur
+        lines.append(f"layer{'s' if len(layers) > 1 else ''} {', '.join(runs)}: {words}")
+    return lines
 
 
 def basis_description(plan: Plan) -> str:

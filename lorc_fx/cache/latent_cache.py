@@ -6,12 +6,15 @@ from dataclasses import replace
 
 import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer,
-                                     StaticLayer, get_layer_types_and_kwargs)
+                                     DynamicSlidingWindowLayer, StaticLayer,
+                                     StaticSlidingWindowLayer, get_layer_types_and_kwargs)
 
+from lorc_fx.codes.vector import VectorBook
 from lorc_fx.plan.options import STORED_FLOAT_BITS
 from lorc_fx.plan.planner import Code, Plan
 
-from .layers import LatentCodec, LatentDynamicLayer, LatentStaticLayer
+from .layers import (LatentCodec, LatentDynamicLayer, LatentSlidingLayer, LatentStaticLayer,
+                     LatentStaticSlidingLayer)
 from .rotary import RotaryLog
 
 SideCodes = tuple[Code, Code]  # (keys, values)
@@ -32,18 +35,32 @@ def side_codes(plan: Plan) -> dict[int, SideCodes]:
     return {l.layer: (l.k_code, l.v_code) for l in plan.layers if not l.skipped}
 
 
+def _layer_kinds(config) -> list[tuple[str, dict]]:
+    if config is None:
+        return []
+    return list(zip(*get_layer_types_and_kwargs(config.get_text_config(decoder=True))))
+
+
 def layers_kept_as_built(config) -> dict[int, str]:
     """The cache layers a :class:`LatentCache` leaves as transformers builds them for this
-    model config (sliding-window, chunked, linear attention, ...): index → layer type. Only
-    plain full-attention layers are swapped for latent ones, so a plan must count these full."""
-    if config is None:
-        return {}
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return {i: kind for i, kind in enumerate(layer_types)
-            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) is not DynamicLayer}
+    model config (linear attention, convolutions, hybrid layers, ...): index → layer type.
+    Plain full-attention layers become latent ones and sliding-window (or chunked) layers
+    :class:`LatentSlidingLayer` s (:func:`sliding_windows`), so a plan must count the others
+    full."""
+    ours = (DynamicLayer, DynamicSlidingWindowLayer)
+    return {i: kind for i, (kind, _) in enumerate(_layer_kinds(config))
+            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) not in ours}
 
 
-LatentLayer = LatentDynamicLayer | LatentStaticLayer
+def sliding_windows(config) -> dict[int, tuple[str, int]]:
+    """The sliding-window layers (``sliding_attention``, ``chunked_attention``: one cache
+    layer in transformers) of this model config: index → (layer type, window in tokens)."""
+    return {i: (kind, kwargs["sliding_window"])
+            for i, (kind, kwargs) in enumerate(_layer_kinds(config))
+            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) is DynamicSlidingWindowLayer}
+
+
+LatentLayer = LatentDynamicLayer | LatentStaticLayer | LatentStaticSlidingLayer
 
 
 class LatentCache(Cache):
@@ -78,13 +95,21 @@ class LatentCache(Cache):
             rotary = RotaryLog(style, static[0].max_cache_len if static else None, rotary_dim)
         layers, log_owner = [], None
         for i, layer in enumerate(cache.layers):
-            if i in bases and type(layer) in (DynamicLayer, StaticLayer):
+            k_code, v_code = codes.get(i, (None, None))
+            if i in bases and type(layer) is StaticSlidingWindowLayer \
+                    and (k_code is not None or v_code is not None):
+                layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
+                                                 bases[i], k_code, v_code)
+            elif i in bases and type(layer) is DynamicSlidingWindowLayer:
+                if isinstance(k_code, VectorBook) or isinstance(v_code, VectorBook):
+                    raise ValueError(f"layer {i}: a sliding-window layer cannot hold vector codes")
+                layer = LatentSlidingLayer(layer.sliding_window, bases[i], k_code, v_code)
+            elif i in bases and type(layer) in (DynamicLayer, StaticLayer):
                 b = bases[i]
                 if b.rope_style:
                     b = replace(b, rotary=rotary)
                     log_owner = i if log_owner is None else log_owner
                 owns = log_owner == i
-                k_code, v_code = codes.get(i, (None, None))
                 layer = (LatentStaticLayer(layer.max_cache_len, b, k_code, v_code, owns)
                          if type(layer) is StaticLayer
                          else LatentDynamicLayer(b, k_code, v_code, owns))
@@ -131,7 +156,8 @@ class LatentCache(Cache):
             if not isinstance(layer, LatentLayer):
                 total += keys.numel() + values.numel()
                 continue
-            tokens = layer.max_cache_len if isinstance(layer, StaticLayer) else layer.get_seq_length()
+            tokens = (getattr(layer, "ring", layer.max_cache_len) if isinstance(layer, StaticLayer)
+                      else layer.k_store.tokens(layer.keys))
             for basis, stored in ((layer.bases.k_basis, keys), (layer.bases.v_basis, values)):
                 width = basis.shape[1] if basis is not None else stored.shape[1] * stored.shape[3]
                 total += stored.shape[0] * tokens * width

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from transformers.cache_utils import DynamicLayer, StaticLayer
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer,
+                                     StaticSlidingWindowLayer)
 from transformers.utils import is_torchdynamo_compiling
 
 from lorc_fx.plan.planner import Code, LayerPlan
@@ -208,6 +209,86 @@ class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
             self._log().reset()
 
 
+class LatentSlidingLayer(LatentDynamicLayer, DynamicSlidingWindowLayer):
+    """A sliding-window (or chunked) layer over stores: transformers'
+    ``DynamicSlidingWindowLayer`` semantics, each side held by the store of its code.
+
+    As transformers' layer, ``update`` returns the tokens kept before it (at most the last
+    ``sliding_window - 1``) followed by every new token (a prefill longer than the window
+    included), then keeps the last ``sliding_window - 1`` tokens; ``get_seq_length`` is every
+    token seen (``cumulative_length``) and ``get_mask_sizes`` is transformers'. Codes are
+    dropped in whole groups only (never re-quantized), so the layer may hold up to G - 1
+    tokens more than the window as codes; what is returned is always exactly the window.
+    ``activate_past_recording`` and ``crop`` work as transformers' do. Keys cached before
+    RoPE are not supported here (the RoPE angle log is the whole cache's)."""
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int, bases: LatentCodec, k_code: Code = None,
+                 v_code: Code = None):
+        if bases.rope_style is not None:
+            raise ValueError("a sliding-window layer cannot cache keys before RoPE")
+        DynamicSlidingWindowLayer.__init__(self, sliding_window)
+        self.bases, self.logs_rotary, self.codes = bases, False, (k_code, v_code)
+        self._new_stores()
+
+    def held(self) -> int:
+        """Tokens the stores hold (the window, and up to G - 1 older ones in codes)."""
+        return self.k_store.tokens(self.keys) if self.is_initialized else 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        shown = min(self.held(), self.sliding_window - 1) + key_states.shape[-2]
+        self.cumulative_length += key_states.shape[-2]
+        k, v = self.bases.compress(key_states, value_states)
+        self.keys = self.k_store.append(self.keys, k)
+        self.values = self.v_store.append(self.values, v)
+        k, v = self.latents()
+        if k.shape[-2] > shown:
+            k, v = k[..., -shown:, :], v[..., -shown:, :]
+        if not self.record_past:
+            self._slide(0)
+        return self.bases.expand(k, v)
+
+    def _slide(self, removed: int) -> None:
+        """Drop the ``removed`` newest tokens, then the oldest beyond the last
+        ``sliding_window - 1`` (as many as both stores can: whole groups of codes)."""
+        if removed:
+            keep = self.held() - removed
+            self.keys = self.k_store.cut(self.keys, keep)
+            self.values = self.v_store.cut(self.values, keep)
+        excess = self.held() - (self.sliding_window - 1)
+        if excess > 0:
+            tokens = min(self.k_store.droppable(self.keys, excess),
+                         self.v_store.droppable(self.values, excess))
+            self.keys = self.k_store.drop(self.keys, tokens)
+            self.values = self.v_store.drop(self.values, tokens)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As ``DynamicSlidingWindowLayer.crop``: below the window, that of a full layer; at or
+        beyond it, only with past recording on, ``-n`` removing the ``n`` newest tokens and
+        ``0`` restricting the layer back to its window."""
+        if self.get_seq_length() < self.sliding_window:
+            LatentDynamicLayer.crop(self, tokens_to_remove)
+            self.cumulative_length = self.held()
+            return
+        if not self.record_past:
+            raise RuntimeError("`crop` was called, but the current layer does not track past "
+                               "states, and the sliding window size was already reached. Call "
+                               "`activate_past_recording` before `crop` to be able to rollback "
+                               "the cache.")
+        if tokens_to_remove > 0:
+            raise RuntimeError("Once the sliding window size has been reached, a sliding layer "
+                               "can only be cropped by passing a negative int, to specify how "
+                               "many tokens to remove")
+        self._slide(-tokens_to_remove)
+        self.cumulative_length -= -tokens_to_remove
+
+
 class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
     """A preallocated cache of one layer for ``max_cache_len`` tokens: each side's window
     (the whole buffer of an uncoded side) in ``keys`` / ``values``, its codes in the store of
@@ -273,6 +354,113 @@ class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
             t.zero_()
         if self._log() is not None:
             self._log().reset()
+
+    def offload(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")
+
+
+class LatentStaticSlidingLayer(StaticSlidingWindowLayer):
+    """A static sliding-window (or chunked) layer over stores: transformers'
+    ``StaticSlidingWindowLayer`` semantics (``get_seq_length``, ``get_mask_sizes``, what
+    ``update`` returns), each side held by the static store of its code in a **ring buffer**
+    of ``ring`` token slots, token ``p`` at slot ``p mod ring``: the window ``W`` (the
+    layer's ``max_cache_len``: the sliding window, or fewer) rounded up to whole groups of G,
+    plus two groups, so a write (at most G tokens at a time, the groups it stages included)
+    never reaches a slot a token of the window still holds.
+
+    What ``update`` returns, as transformers' layer: while the window is not yet full, its
+    ``W`` slots in order (positions past the length are masked), as stored; a single token
+    into a full window, the last ``W`` tokens in order, as stored; more tokens than fit
+    (a prefill or continuation past the window), the window's last tokens as stored followed
+    by the new tokens as they came. A write longer than the window writes only what it will
+    keep (from a whole group on). Keys cached before RoPE are not supported here."""
+
+    def __init__(self, max_cache_len: int, sliding_window: int, bases: LatentCodec,
+                 k_code: Code = None, v_code: Code = None):
+        if bases.rope_style is not None:
+            raise ValueError("a sliding-window layer cannot cache keys before RoPE")
+        super().__init__(max_cache_len, sliding_window)
+        self.bases = bases
+        self.k_store, self.v_store = static_store(k_code), static_store(v_code)
+        self.group = settle_group((k_code, v_code))
+        self.ring = (-(-self.max_cache_len // self.group) + 2) * self.group
+        self.position = torch.tensor(0, dtype=torch.long)  # tokens written, as a tensor
+
+    def lazy_initialization(self, key_states, value_states):
+        self.bases = self.bases.to(key_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = self.k_store.allocate(key_states, self.bases.k_basis, self.ring, ring=True)
+        self.values = self.v_store.allocate(value_states, self.bases.v_basis, self.ring, ring=True)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.position = self.position.to(self.device)
+        if not is_torchdynamo_compiling():
+            for tensor in (*self.tensors(), self.cumulative_length, self.position):
+                torch._dynamo.mark_static_address(tensor)
+        self.is_initialized = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer the layer holds: windows (a full side's whole ring), packed codes,
+        scales, zero points."""
+        return [self.keys, self.values, *self.k_store.tensors(), *self.v_store.tensors()]
+
+    def _ring(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both sides over the ring's slots, decoded."""
+        return self.k_store.read(self.keys), self.v_store.read(self.values)
+
+    def _in_order(self, sides, first: torch.Tensor, count: int):
+        """``count`` tokens from position ``first`` (a tensor) on, in order, of ring ``sides``."""
+        index = (torch.arange(count, device=self.device) + first) % self.ring
+        return tuple(side.index_select(2, index) for side in sides)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k``, ``v`` at ``position`` on, at most G tokens at a time."""
+        for at in range(0, k.shape[-2], self.group):
+            chunk_k, chunk_v = k[..., at:at + self.group, :], v[..., at:at + self.group, :]
+            positions = torch.arange(chunk_k.shape[-2], device=self.device) + self.position
+            self.k_store.write(self.keys, chunk_k, positions % self.ring, self.position)
+            self.v_store.write(self.values, chunk_v, positions % self.ring, self.position)
+            self.position.add_(chunk_k.shape[-2])
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        tokens, current = key_states.shape[-2], self.cumulative_length_int
+        window = self.max_cache_len
+        self.cumulative_length_int += tokens
+        k, v = self.bases.compress(key_states, value_states)
+        if current + tokens <= window or (current >= window and tokens == 1):
+            self._write(k, v)
+            if current + tokens <= window:
+                self.cumulative_length.add_(tokens)
+                sides = tuple(side.narrow(2, 0, window) for side in self._ring())
+            else:
+                sides = self._in_order(self._ring(), self.position - window, window)
+            return self.bases.expand(*sides)
+        # more than the window holds: its last tokens as stored, then the new ones as they came
+        kept = min(current, window - 1)
+        old = self._in_order(self._ring(), self.position - kept, kept)
+        skip = max(0, (current + tokens - window) // self.group * self.group - current)
+        if skip:  # tokens that leave the window at once: written from a whole group on
+            self.position.add_(skip)
+        self._write(k[..., skip:, :], v[..., skip:, :])
+        old = self.bases.expand(*old)
+        return (torch.cat([old[0], key_states], dim=-2), torch.cat([old[1], value_states], dim=-2))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            for t in self.tensors():
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def reset(self) -> None:
+        super().reset()
+        for t in self.tensors() if self.is_initialized else ():
+            t.zero_()
+        self.position.zero_()
 
     def offload(self):
         raise NotImplementedError("offloading a static latent layer is not supported: its "

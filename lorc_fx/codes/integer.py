@@ -405,6 +405,20 @@ def token_slots(q: QuantizedTensor | SplitTensor, tokens: int, slots: int,
                            q.spec, (*q.shape[:2], tokens, q.shape[3]), q.dtype)
 
 
+def drop_tokens(q: QuantizedTensor | SplitTensor, tokens: int) -> QuantizedTensor | SplitTensor:
+    """``q`` without its first ``tokens`` tokens (per channel whole groups), a copy: its
+    tensors keep every slot after them (spare slots included), so a sliding-window cache
+    frees what has left its window."""
+    if isinstance(q, SplitTensor):
+        return q.map(lambda p: drop_tokens(p, tokens))
+    dim, scale_dim, per = _token_dims(q)
+    if tokens % per or tokens > q.shape[2]:
+        raise ValueError(f"cannot drop {tokens} of {q.shape[2]} tokens in groups of {per}")
+    cut = lambda t, d: t.narrow(d, tokens // per, t.shape[d] - tokens // per).clone()
+    return QuantizedTensor(cut(q.payload, dim), cut(q.scale, scale_dim), cut(q.zero, scale_dim),
+                           q.spec, (*q.shape[:2], q.shape[2] - tokens, q.shape[3]), q.dtype)
+
+
 def splice_tokens(q: QuantizedTensor | SplitTensor, new: QuantizedTensor | SplitTensor,
                   tokens: int, slots: int) -> QuantizedTensor | SplitTensor:
     """``q``'s tokens followed by ``new``'s codes, standing for ``tokens`` tokens in ``slots``

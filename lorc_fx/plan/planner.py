@@ -89,8 +89,12 @@ class LayerInput:
     k_spectrum: Spectrum | None = None
     v_spectrum: Spectrum | None = None
     shards: int = 1  # bases block-diagonal over this many equal groups of KV heads
-    # transformers builds its own cache layer here (sliding window, ...): it stays as built
+    # transformers builds its own cache layer here (linear attention, ...): it stays as built
     kept_as_built: bool = False
+    # a sliding-window (or chunked) layer of this many tokens: only plain codes store it
+    # (``cache.LatentSlidingLayer``), other schemes keep its keys and values raw
+    sliding_window: int | None = None
+    sliding_kind: str = ""  # its layer type (``sliding_attention``, ``chunked_attention``)
 
     @cached_property
     def kappa(self) -> tuple[float, float]:
@@ -564,14 +568,24 @@ def latent_code(options: PlanOptions, dtype_bits: int, compressed: bool, rank: i
                                  scale_dtype(dtype_bits))
 
 
+def sliding_note(kind: str, window: int, coded: bool) -> str:
+    """What a sliding-window layer of ``window`` tokens stores, for its plan's note."""
+    held = f"{kind}, a window of {window} tokens: holds its last {window - 1}"
+    return (f"{held}, coded as the other layers (codes dropped in whole groups as they "
+            "leave it)" if coded
+            else f"{held} (kept full: only plain codes store a sliding layer)")
+
+
 def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
                          dtype_bits: int | None = None) -> Plan:
     """Plain KV-cache quantization as a plan of the ``plain`` scheme: every layer at full
     width with identity bases (not applied: ``Scheme.identity_bases``), and the cache stores
     the keys (after any norm and RoPE) and values themselves as ``options.latent_bits``-bit
     codes, keys per channel over groups of ``latent_group`` tokens and values per token over
-    groups of channels within each head (KIVI's layout). Layers transformers builds its own
-    cache layer for stay as built (``skipped``)."""
+    groups of channels within each head (KIVI's layout). Sliding-window layers are coded
+    alike (their bytes per token counted as a full layer's: what they hold while the context
+    is within the window); other layers transformers builds its own cache layer for stay as
+    built (``skipped``)."""
     options = options.concrete()
     if options.latent_bits == 16:
         raise ValueError("a plain quantized plan needs latent_bits 8 or 4")
@@ -591,7 +605,9 @@ def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
             log_kappa_cum=lk, num_heads=l.num_heads, num_kv_heads=l.num_kv_heads,
             head_dim=l.head_dim, rope=l.rope, k_latent_of="post_rope", k_basis=k_eye,
             v_basis=v_eye, k_rebuild=k_eye, v_rebuild=v_eye,
-            note=l.note if l.kept_as_built else "",
+            note=(l.note if l.kept_as_built
+                  else sliding_note(l.sliding_kind, l.sliding_window, True) if l.sliding_window
+                  else ""),
             k_code=QuantSpec.per_channel(bits, group, scales) if kept else None,
             v_code=QuantSpec.per_token(bits, value_token_group(l.head_dim, group), scales)
             if kept else None))

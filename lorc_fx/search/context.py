@@ -10,10 +10,10 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
-from lorc_fx.cache import layers_kept_as_built
+from lorc_fx.cache import layers_kept_as_built, sliding_windows
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.options import AUTO, LATENT_BITS, LATENT_GROUPS, PlanOptions
-from lorc_fx.plan.planner import LayerInput, Plan, layer_inputs
+from lorc_fx.plan.planner import LayerInput, Plan, layer_inputs, sliding_note
 
 # bases measured on calibration text; with them the calibrated schedule measures its split too
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
@@ -91,7 +91,8 @@ class SearchContext:
                     layer.input_gram = metric.input_gram
                     layer.k_spectrum, layer.v_spectrum = metric.k_spectrum, metric.v_spectrum
                     if metric.k_of_cached_keys and not layer.compress_k \
-                            and not layer.kept_as_built and block_of[layer.layer].k_path == "norm":
+                            and not layer.kept_as_built and layer.sliding_window is None \
+                            and block_of[layer.layer].k_path == "norm":
                         layer.compress_k, layer.keys_after_rope = True, True
                         layer.note = "keys behind a norm: basis of the keys the cache receives"
             self._prepared[rope] = basis, inputs, note
@@ -102,15 +103,22 @@ class SearchContext:
 def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: int
                        ) -> list[LayerInput]:
     """:func:`~lorc_fx.plan.planner.layer_inputs` of ``model``, with the layers transformers
-    builds its own cache layer for marked (they stay full, as built)."""
+    builds its own cache layer for marked (they stay full, as built), and its sliding-window
+    layers (raw keys and values except in a plain plan, which codes them)."""
     inputs = layer_inputs(named_params(model), blocks, shards)
-    kept = layers_kept_as_built(getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    kept, sliding = layers_kept_as_built(config), sliding_windows(config)
     for layer in inputs:
         if layer.layer in kept:
             layer.compress_k = layer.compress_v = False
             layer.kept_as_built = True
             layer.note = (f"kept full: transformers builds its own {kept[layer.layer]} cache "
                           "layer here")
+        elif layer.layer in sliding:
+            kind, window = sliding[layer.layer]
+            layer.compress_k = layer.compress_v = False
+            layer.sliding_window, layer.sliding_kind = window, kind
+            layer.note = sliding_note(kind, window, False)
     return inputs
 
 

@@ -37,18 +37,10 @@ def _mla_with_fewer_kv_heads():  # eager broadcasts the heads; dynamo's fake run
     return build(config)
 
 
-def _gemma3_all_sliding():
-    config = config_for("gemma3_sliding")
-    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-    return build(config)
-
-
 @pytest.mark.parametrize("make, why", [
     (_llama_without_layers, "its traced forward holds no attention"),
     (_mla, "query: query_states (cat) joins several projected tensors"),
     (_mla_with_fewer_kv_heads, "dynamo cannot trace DeepseekV3ForCausalLM: RuntimeError("),
-    (_gemma3_all_sliding, "every attention layer it could compress keeps the cache layer "
-     "transformers builds for it, which lorc_fx stores as built: layer 0 sliding_attention"),
     (EmbeddingLinear, "its traced forward holds no attention"),
     (lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
      "cannot make token ids for Sequential"),

@@ -29,6 +29,9 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
         return MistralConfig(head_dim=head_dim, sliding_window=None, **llama_like)
     if family == "qwen2":
         return Qwen2Config(**llama_like)
+    if family == "qwen2_sliding":  # the upper half of the layers sliding-window
+        return Qwen2Config(use_sliding_window=True, sliding_window=4,
+                           max_window_layers=layers // 2, **llama_like)
     if family == "qwen3":  # q/k RMSNorm, like gemma3, without sliding layers
         return Qwen3Config(head_dim=head_dim, **llama_like)
     if family == "phi3":
@@ -40,6 +43,7 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
                                 layer_types=["sliding_attention", "full_attention"][:layers]
                                 + ["full_attention"] * (layers - 2), **llama_like)
     if family == "gemma3_sliding":  # Gemma 3's pattern: five sliding-window layers, one full
+        # (with layers=6; fewer are all sliding)
         return Gemma3TextConfig(head_dim=head_dim, sliding_window=4, **llama_like)
     if family == "gemma2":  # tanh-softcapped attention scores
         return Gemma2Config(head_dim=head_dim, layer_types=["full_attention"] * layers,

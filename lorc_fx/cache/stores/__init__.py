@@ -10,7 +10,9 @@ rest (codes, scales, sinks). The store is chosen by the side's code in the plan
   attention reads it), ``tokens(window)``, ``cut(window, keep) -> window``, ``map_batch(fn)``
   (a batch operation on its per-row tensors: beams, repeat/select, offloading),
   ``tensors(window)`` and ``place_sinks(positions)`` (where each row's first token sits,
-  after its left padding: what a store keeping sinks keeps as it came);
+  after its left padding: what a store keeping sinks keeps as it came); the stores a
+  sliding-window layer may hold (full and integer) also have ``droppable(window, tokens)`` and
+  ``drop(window, tokens) -> window`` (the oldest tokens: whole groups of codes);
 - a static store has ``allocate(states, basis, max_cache_len) -> window``,
   ``write(window, states, positions, start)`` (in place), ``read(window)`` and ``tensors()``
   (its buffers besides the window).

@@ -20,6 +20,13 @@ class FullStore:
     def cut(self, window: torch.Tensor, keep: int) -> torch.Tensor:
         return window[..., :keep, :]
 
+    def droppable(self, window: torch.Tensor, tokens: int) -> int:
+        return tokens
+
+    def drop(self, window: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Drop the oldest ``tokens`` tokens; returns the window."""
+        return window[..., tokens:, :] if tokens else window
+
     def map_batch(self, fn) -> None:
         pass
 
@@ -35,7 +42,7 @@ class FullStaticStore:
     in place at the cache positions (as transformers' ``StaticLayer`` writes keys)."""
 
     def allocate(self, states: torch.Tensor, basis: torch.Tensor | None,
-                 max_cache_len: int) -> torch.Tensor:
+                 max_cache_len: int, ring: bool = False) -> torch.Tensor:
         return buffer(states, basis, max_cache_len)
 
     def write(self, window: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,

@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 
 from lorc_fx.codes.integer import (ChannelSplit, QuantizedTensor, QuantSpec, SplitTensor,
-                                   map_batch, quantize, splice_tokens, token_count,
-                                   token_slots)
+                                   drop_tokens, map_batch, quantize, splice_tokens,
+                                   token_count, token_slots)
 
 from ..latent_ops import dequantized
 
@@ -130,6 +130,25 @@ class IntegerStore:
                                  kept_groups + SPARE_GROUPS * self.group,
                                  copy=True)  # the slots of the groups after the kept ones
         return _with_spare_rows(tail)
+
+    def droppable(self, window: torch.Tensor, tokens: int) -> int:
+        """How many of the oldest ``tokens`` tokens (at most those held) :meth:`drop` can
+        drop: whole groups of codes, or every coded token and then window tokens."""
+        coded = token_count(self.codes)
+        return tokens if tokens >= coded else tokens // self.group * self.group
+
+    def drop(self, window: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Drop the oldest ``tokens`` tokens (:meth:`droppable` of them: whole groups of codes
+        first, then the window's first tokens); returns the window."""
+        if tokens == 0:
+            return window
+        if self.codes is None:  # a zero-wide side: the window is every token
+            return window[..., tokens:, :]
+        coded = token_count(self.codes)
+        if min(tokens, coded):
+            self.codes = drop_tokens(self.codes, min(tokens, coded))
+        rest = tokens - min(tokens, coded)
+        return window[..., rest:, :].clone() if rest else window
 
     def map_batch(self, fn) -> None:
         self.codes = map_batch(self.codes, fn)

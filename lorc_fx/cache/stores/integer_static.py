@@ -20,6 +20,12 @@ on data and a compiled decode step traces once for every position.
   and zero points ``(b, h, max_cache_len, groups)``; a token's codes do not depend on other
   tokens, so each is quantized once, as written. No window.
 
+A sliding-window layer's store is a **ring** (``allocate(..., ring=True)``,
+``cache.LatentStaticSlidingLayer``): ``max_cache_len`` whole groups of slots and no spare one,
+token ``p`` at slot ``p mod max_cache_len`` (group ``g`` at group slot ``g mod`` their count);
+the layer writes at most G tokens at a time and sizes the ring so no write reaches a slot the
+window still reads.
+
 A group's codes are always computed from its tokens in full precision (the window), never
 from codes, so nothing is rounded twice; once the window has moved past a group its codes are
 final and equal, bit for bit, to the dynamic layer's for the same tokens.
@@ -78,9 +84,10 @@ def _write_groups(codes: QuantizedTensor, x: torch.Tensor, valid: torch.Tensor |
 
 
 def _write_per_channel(codes: QuantizedTensor, window: torch.Tensor, states: torch.Tensor,
-                       start: torch.Tensor) -> None:
+                       start: torch.Tensor, ring: int = 0) -> None:
     """Write ``states (b, h, t, d)`` at token ``start`` (a 0-d tensor) into per-channel
-    ``codes`` and its ``window`` (the module docstring), in place."""
+    ``codes`` and its ``window`` (the module docstring), in place; with ``ring`` group slots,
+    group ``g`` is written at slot ``g mod ring`` (a sliding window's ring buffer)."""
     group, t = codes.spec.group, states.shape[-2]
     b, h, _, d = window.shape
     groups = (t + group - 1) // group + 1
@@ -90,7 +97,8 @@ def _write_per_channel(codes: QuantizedTensor, window: torch.Tensor, states: tor
     staging.index_copy_(2, offset + steps[:t], states)
     valid = (steps < offset + t).view(groups, group)
     grouped = staging.transpose(-1, -2).reshape(b, h, d, groups, group)
-    _write_groups(codes, grouped, valid, 3, start // group + steps[:groups])
+    index = start // group + steps[:groups]
+    _write_groups(codes, grouped, valid, 3, index % ring if ring else index)
     window.copy_(staging.index_select(2, (offset + t) // group * group + steps[:group]))
 
 
@@ -120,12 +128,21 @@ class IntegerStaticStore:
         self.spec = spec
         self.codes: QuantizedTensor | SplitTensor | None = None
         self.max_cache_len = 0
+        self.ring = 0  # group slots of a ring buffer (a sliding window), else 0
 
     def allocate(self, states: torch.Tensor, basis: torch.Tensor | None,
-                 max_cache_len: int) -> torch.Tensor:
+                 max_cache_len: int, ring: bool = False) -> torch.Tensor:
         """Zeroed codes for ``max_cache_len`` tokens; returns the window. A channel split's
-        runs share one window and hold codes of their own channels each."""
+        runs share one window and hold codes of their own channels each. ``ring``: the
+        ``max_cache_len`` slots (whole groups) are a ring buffer, token ``p`` at slot
+        ``p mod max_cache_len`` (the caller writes per-token sides at those positions), with
+        no spare group slot."""
         self.max_cache_len = max_cache_len
+        if ring:
+            if max_cache_len % self.spec.group:
+                raise ValueError(f"a ring of {max_cache_len} slots is not whole groups of "
+                                 f"{self.spec.group}")
+            self.ring = max_cache_len // self.spec.group
         window = buffer(states, basis, self.spec.group if self.spec.axis == -2 else 0)
         if isinstance(self.spec, ChannelSplit):
             self.codes = SplitTensor(tuple(self._codes_of(window[..., at:at + c], states, part)
@@ -139,7 +156,7 @@ class IntegerStaticStore:
         """Zeroed codes of one spec for the side whose full-precision part is ``window``."""
         b, h, _, d = window.shape
         if spec.axis == -2:
-            lead = (b, h, d, -(-self.max_cache_len // spec.group) + 1)
+            lead = (b, h, d, self.ring or -(-self.max_cache_len // spec.group) + 1)
         else:
             lead = (b, h, self.max_cache_len, -(-d // spec.group))
         scale_dtype = spec.scale_dtype or states.dtype
@@ -153,9 +170,10 @@ class IntegerStaticStore:
         """Write ``states`` at ``positions`` (from token ``start``, a 0-d tensor), in place."""
         if isinstance(self.codes, SplitTensor):  # each run through its channels of the window
             for (at, c, _), part in zip(self.spec.specs(), self.codes.parts):
-                _write_per_channel(part, window[..., at:at + c], states[..., at:at + c], start)
+                _write_per_channel(part, window[..., at:at + c], states[..., at:at + c], start,
+                                   self.ring)
         elif self.spec.axis == -2:
-            _write_per_channel(self.codes, window, states, start)
+            _write_per_channel(self.codes, window, states, start, self.ring)
         else:
             _write_per_token(self.codes, states, positions)
 

@@ -1,0 +1,154 @@
+"""``LatentSlidingLayer``: a sliding-window (or chunked) cache layer over stores mirrors
+transformers' ``DynamicSlidingWindowLayer`` step for step (what ``update`` returns, what it
+keeps, ``get_seq_length``, ``get_mask_sizes``, crop with past recording, beams and batch
+repeat/select): exactly with keys and values kept full, within the codes' rounding with
+plain integer codes, which it drops in whole groups and counts as it holds them."""
+import pytest
+import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from lorc_fx.cache import LatentCodec, LatentSlidingLayer
+from lorc_fx.codes.integer import QuantSpec
+
+WINDOW, GROUP, HEADS, DIM = 6, 4, 2, 8
+# a prefill within the window, decode steps past it, a prefill longer than the window
+STEPS = (3, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1)
+
+
+def _layers(coded: bool):
+    codes = ((QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM)) if coded
+             else (None, None))
+    return (DynamicSlidingWindowLayer(WINDOW),
+            LatentSlidingLayer(WINDOW, LatentCodec(None, None, HEADS), *codes))
+
+
+def _states(tokens: int, seed: int, batch: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, HEADS, tokens, DIM, generator=g),
+            torch.randn(batch, HEADS, tokens, DIM, generator=g))
+
+
+def _same(got, expected, coded: bool):
+    if coded:  # 8-bit codes of N(0, 1) values: within half a step of a range of ~6
+        torch.testing.assert_close(got, expected, atol=0.03, rtol=0)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_updates_return_and_keep_what_transformers_sliding_layer_does(coded):
+    reference, layer = _layers(coded)
+    extra = 0
+    for step, tokens in enumerate(STEPS):
+        assert layer.get_mask_sizes(tokens) == reference.get_mask_sizes(tokens)
+        k, v = _states(tokens, step)
+        want_k, want_v = reference.update(k, v)
+        got_k, got_v = layer.update(k, v)
+        assert got_k.shape == want_k.shape
+        _same(got_k, want_k, coded)
+        _same(got_v, want_v, coded)
+        assert layer.get_seq_length() == reference.get_seq_length()
+        held = layer.held()
+        # what it holds: the window, and as codes at most G - 1 older tokens (whole groups)
+        assert reference.keys.shape[-2] <= held <= reference.keys.shape[-2] + (GROUP - 1) * coded
+        extra = max(extra, held - reference.keys.shape[-2])
+        tensors = layer.tensors()
+        if not coded:
+            assert sum(t.numel() for t in tensors) == sum(
+                t.numel() for t in (reference.keys, reference.values))
+    assert extra == (GROUP - 1) * coded  # the codes were dropped in whole groups
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_crop_with_past_recording_beams_and_batch_select_follow_transformers(coded):
+    reference, layer = _layers(coded)
+    for l in (reference, layer):
+        l.activate_past_recording()
+    for step, tokens in enumerate((3, 5, 1, 2)):
+        k, v = _states(tokens, step)
+        for l in (reference, layer):
+            l.update(k, v)
+    for crop in (-2, 0):
+        for l in (reference, layer):
+            l.crop(crop)
+        assert layer.get_seq_length() == reference.get_seq_length()
+        assert layer.get_mask_sizes(1) == reference.get_mask_sizes(1)
+    beams = torch.tensor([1, 0])
+    for l in (reference, layer):
+        l.reorder_cache(beams)
+        l.batch_repeat_interleave(2)
+        l.batch_select_indices(torch.tensor([0, 3]))
+    k, v = _states(1, 99)
+    want_k, want_v = reference.update(k, v)
+    got_k, got_v = layer.update(k, v)
+    assert got_k.shape == want_k.shape
+    _same(got_k, want_k, coded)
+    _same(got_v, want_v, coded)
+
+
+def test_without_past_recording_a_full_window_refuses_crop_as_transformers_does():
+    reference, layer = _layers(True)
+    k, v = _states(WINDOW + 1, 0)
+    for l in (reference, layer):
+        l.update(k, v)
+        with pytest.raises(RuntimeError, match="activate_past_recording"):
+            l.crop(-1)
+
+
+def test_reset_empties_the_layer():
+    _, layer = _layers(True)
+    layer.update(*_states(9, 0))
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.held() == 0
+    k, v = _states(2, 1)
+    got, _ = layer.update(k, v)
+    assert got.shape[-2] == 2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_static_sliding_layer_returns_what_transformers_static_sliding_layer_does(bits):
+    """The ring buffer of codes against transformers' ``StaticSlidingWindowLayer``: the same
+    mask sizes and lengths, what ``update`` returns within the codes' rounding (on the
+    positions the mask lets through), beams, and reset."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    from lorc_fx.cache import LatentStaticSlidingLayer
+
+    codes = (QuantSpec.per_channel(bits, GROUP), QuantSpec.per_token(bits, DIM))
+    reference = StaticSlidingWindowLayer(32, WINDOW)
+    layer = LatentStaticSlidingLayer(32, WINDOW, LatentCodec(None, None, HEADS), *codes)
+    atol = 0.02 if bits == 8 else 0.25
+    for step, tokens in enumerate((3, 1, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1, 13, 1) * 2):
+        if step == 14:
+            for l in (reference, layer):
+                l.reorder_cache(torch.tensor([1, 0]))
+        assert layer.get_mask_sizes(tokens) == reference.get_mask_sizes(tokens)
+        visible = min(reference.get_seq_length() + tokens, WINDOW) \
+            if reference.get_seq_length() + tokens <= WINDOW else None
+        k, v = _states(tokens, step)
+        want_k, want_v = reference.update(k, v)
+        got_k, got_v = layer.update(k, v)
+        assert got_k.shape == want_k.shape and got_v.shape == want_v.shape
+        n = want_k.shape[-2] if visible is None else visible
+        torch.testing.assert_close(got_k[..., :n, :], want_k[..., :n, :], atol=atol, rtol=0)
+        torch.testing.assert_close(got_v[..., :n, :], want_v[..., :n, :], atol=atol, rtol=0)
+        assert layer.get_seq_length() == reference.get_seq_length()
+    assert layer.ring == 16  # the window (6) in whole groups of 4, and two groups more
+    layer.reset()
+    assert layer.get_seq_length() == 0 and int(layer.position) == 0
+
+
+def test_a_static_cache_codes_a_sliding_layer_in_a_ring_and_keeps_a_full_one_as_built():
+    from transformers import Gemma3TextConfig
+    from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
+
+    from lorc_fx.cache import LatentCache, LatentStaticSlidingLayer
+
+    config = Gemma3TextConfig(num_hidden_layers=1, layer_types=["sliding_attention"],
+                              sliding_window=4, num_key_value_heads=HEADS, head_dim=DIM)
+    bases = {0: LatentCodec(None, None, HEADS)}
+    codes = {0: (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))}
+    coded = LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases, codes)
+    assert type(coded.layers[0]) is LatentStaticSlidingLayer
+    kept = LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases)
+    assert type(kept.layers[0]) is StaticSlidingWindowLayer
