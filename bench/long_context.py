@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python bench/long_context.py [--contexts 1024,2048,4096,8192]
         [--batches 1,8] [--new-tokens 64] [--fraction 0.5]
         [--rope auto|commute|reconstruct[:BITS][,..]] [--baselines full,full-gqa]
-        [--out bench/results/long_context-cpu]
+        [--cache static|dynamic] [--out bench/results/long_context-cpu]
 
 Public API only (``lorc_fx.load_model/load_tokenizer/load_text/compress/lorc_backend``,
 ``model.compile``, ``model.generate``). Every configuration (variant × context × batch) runs
@@ -13,6 +13,8 @@ Each worker loads the default model (SmolLM2-135M, float32), either compiles it 
 compiles it with ``lorc_backend``, and runs ONE greedy ``generate`` with a static cache
 (``cache_implementation="static"``, as ``lorc demo`` does) over ``batch`` windows of real
 text (the embedded news articles) of ``context`` tokens each, for ``new_tokens`` tokens.
+``--cache dynamic`` runs ``generate`` with its default cache instead (README's example as
+written), every variant alike; write its results to another ``--out``.
 
 Two full-cache baselines. ``full`` is what ``model.compile()`` gives a transformers user on
 CPU: a decode step passes a mask, so transformers' SDPA integration (``use_gqa_in_sdpa``, a
@@ -184,9 +186,10 @@ def _profile_summary(prof, cache_len: int, steps: int) -> dict:
                         for n, r in top]}
 
 
-def _generate(model, ids, new_tokens: int, stamp):
-    """One greedy ``generate`` of exactly ``new_tokens`` with a static cache, ``stamp`` (a
-    ``LogitsProcessor``) seeing every step; returns its output and its start time."""
+def _generate(model, ids, new_tokens: int, stamp, cache: str = "static"):
+    """One greedy ``generate`` of exactly ``new_tokens`` with a ``cache`` cache (static, or
+    ``generate``'s default dynamic one), ``stamp`` (a ``LogitsProcessor``) seeing every step;
+    returns its output and its start time."""
     import torch
     from transformers import LogitsProcessorList
 
@@ -194,13 +197,13 @@ def _generate(model, ids, new_tokens: int, stamp):
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False,
-                             cache_implementation="static",
+                             **({"cache_implementation": "static"} if cache == "static" else {}),
                              logits_processor=LogitsProcessorList([stamp]),
                              return_dict_in_generate=True)
     return out, start
 
 
-def _warm_prefill(model, ids, stamp, stamps) -> tuple[list[float], int]:
+def _warm_prefill(model, ids, stamp, stamps, cache: str) -> tuple[list[float], int]:
     """Seconds of each repeated prefill of the same prompt (one more ``generate`` of one token
     each, its graph compiled by the first): up to ``PREFILL_REPEATS``, no more once
     ``PREFILL_BUDGET_S`` have been spent; and how many frames Dynamo compiled during them
@@ -211,7 +214,7 @@ def _warm_prefill(model, ids, stamp, stamps) -> tuple[list[float], int]:
     runs = []
     while len(runs) < PREFILL_REPEATS and sum(runs) < PREFILL_BUDGET_S:
         stamps.clear()
-        _, start = _generate(model, ids, 1, stamp)
+        _, start = _generate(model, ids, 1, stamp, cache)
         runs.append(stamps[0] - start)
     return runs, counters["stats"]["unique_graphs"] - frames
 
@@ -225,6 +228,7 @@ def worker(args) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     inductor_config.cpp.enable_kernel_profile = True
     record = {"variant": args.variant, "context": args.context, "batch": args.batch,
+              "cache": args.cache,
               "new_tokens": args.new_tokens, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "loadavg_start": os.getloadavg()}
     t0 = time.perf_counter()
@@ -274,10 +278,10 @@ def worker(args) -> dict:
                 prof.stop()
             return scores
 
-    out, start = _generate(model, ids, n, Stamp())
+    out, start = _generate(model, ids, n, Stamp(), args.cache)
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     prefill_incl_compile_s = stamps[0] - start
-    prefill_runs_s, prefill_compiles = _warm_prefill(model, ids, Stamp(), stamps)
+    prefill_runs_s, prefill_compiles = _warm_prefill(model, ids, Stamp(), stamps, args.cache)
     timed = steps[first_timed - 1:last_timed]
     record.update(
         prefill_incl_compile_s=prefill_incl_compile_s,
@@ -316,7 +320,7 @@ def _run_config(args, variant: str, context: int, batch: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--variant", variant, "--context", str(context),
            "--batch", str(batch), "--new-tokens", str(args.new_tokens),
            "--fraction", str(args.fraction), "--warmup-steps", str(args.warmup_steps),
-           "--profile-steps", str(args.profile_steps)]
+           "--profile-steps", str(args.profile_steps), "--cache", args.cache]
     print(f"\n=== {variant} context={context} batch={batch}: {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -438,7 +442,7 @@ def _markdown(data: dict) -> str:
     lines = [
         "# Long-context decode, CPU: LoRC (lorc_backend) ÷ full cache (Inductor)", "",
         f"One run per configuration; machine: {data['machine']}. Model: SmolLM2-135M (float32), "
-        f"cache fraction {data['fraction']}, static cache, {data['new_tokens']} new tokens, greedy. "
+        f"cache fraction {data['fraction']}, {data.get('cache', 'static')} cache, {data['new_tokens']} new tokens, greedy. "
         "Ratios are compressed ÷ full for the same context and batch "
         "(speed > 1: LoRC faster; memory < 1: LoRC smaller). How each number is measured: "
         "docstring of `bench/long_context.py`; baseline `full` is transformers' compiled decode "
@@ -515,6 +519,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=8,
                         help="decode steps discarded (decode-graph compile)")
     parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--cache", choices=("static", "dynamic"), default="static",
+                        help="generate's cache for every variant (dynamic: its default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "long_context-cpu"),
                         help="writes OUT.json, OUT.png, OUT.md; merges with an existing OUT.json")
     parser.add_argument("--machine", default=f"{os.cpu_count()} cores, OMP_NUM_THREADS="
@@ -542,7 +548,7 @@ def main() -> None:
             for variant in variants:
                 record = _run_config(args, variant, context, batch)
                 results[_key(record)] = record
-                data = {"machine": args.machine, "fraction": args.fraction,
+                data = {"machine": args.machine, "fraction": args.fraction, "cache": args.cache,
                         "new_tokens": args.new_tokens, "profile_steps": args.profile_steps,
                         "warmup_steps": args.warmup_steps,
                         "results": sorted(results.values(), key=lambda r: (r["batch"], r["context"], r["variant"]))}

@@ -3,7 +3,8 @@
 ``install(model, plan, blocks)`` is all ``lorc_fx.compress`` changes on a model: it keeps
 the plan on the model, wraps ``_prepare_cache_for_generation`` so the fresh
 ``DynamicCache``/``StaticCache`` that ``generate`` builds becomes a :class:`LatentCache`,
-and, for keys cached before RoPE, puts a forward pre-hook on each attention module that
+wraps ``prepare_inputs_for_generation`` so that cache's growing axes are marked dynamic
+before every step (one compiled decode graph), and, for keys cached before RoPE, puts a forward pre-hook on each attention module that
 hands the cache the step's ``(cos, sin)``. Its ``save_pretrained`` (where the class has one)
 warns once that it saves the plain model, not the plan.
 """
@@ -74,6 +75,16 @@ def _prepare_latent_cache(self, generation_config, model_kwargs, *args, **kwargs
             cache.place_sinks((mask.cumsum(-1) == 0).sum(-1))  # after each row's left padding
 
 
+def _prepare_inputs_marking_dynamic(self, *args, **kwargs):
+    """``generate``'s per-step input preparation (eager, before each forward), with the
+    latent cache's growing axes marked dynamic first: a compiled decode then traces one graph
+    for every length (``LatentCache.mark_dynamic``)."""
+    inputs = type(self).prepare_inputs_for_generation(self, *args, **kwargs)
+    if isinstance(cache := inputs.get("past_key_values"), LatentCache):
+        cache.mark_dynamic()
+    return inputs
+
+
 def _save_pretrained_plain(self, *args, **kwargs):
     """The class's ``save_pretrained``, after one warning per model that what it writes is
     the plain model (the plan lives apart, in a plan file)."""
@@ -101,5 +112,6 @@ def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
         handle.remove()
     model._lorc_hooks = _angle_hooks(model, blocks, plan)
     model._prepare_cache_for_generation = types.MethodType(_prepare_latent_cache, model)
+    model.prepare_inputs_for_generation = types.MethodType(_prepare_inputs_marking_dynamic, model)
     if callable(getattr(type(model), "save_pretrained", None)):
         model.save_pretrained = types.MethodType(_save_pretrained_plain, model)

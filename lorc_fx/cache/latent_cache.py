@@ -123,6 +123,18 @@ class LatentCache(Cache):
             if isinstance(layer, LatentDynamicLayer):
                 layer.place_sinks(positions)
 
+    def mark_dynamic(self) -> None:
+        """Mark every axis of the cache that grows with the tokens dynamic (each dynamic
+        layer's windows and codes, a growing RoPE angle log), so a compiled decode step
+        traces one graph for every length (``LatentDynamicLayer.mark_dynamic``)."""
+        for layer in self.layers:
+            if isinstance(layer, LatentDynamicLayer):
+                layer.mark_dynamic()
+        if self.rotary is not None and self.rotary.max_cache_len is None:
+            for tensor in self.rotary.tensors():
+                if tensor.shape[1] > 1:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 1)
+
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache holds: keys, values, RoPE angles; codes, scales, zero
         points, sinks and full-precision windows (a static layer's whole allocation)."""

@@ -447,6 +447,17 @@ def splice_tokens(q: QuantizedTensor | SplitTensor, new: QuantizedTensor | Split
                            (*q.shape[:2], tokens, q.shape[3]), q.dtype)
 
 
+def token_axes(q: QuantizedTensor | SplitTensor | None) -> list[tuple[torch.Tensor, int]]:
+    """Each tensor of ``q`` with the axis that grows with the tokens (payload, scale, zero)."""
+    if q is None:
+        return []
+    if isinstance(q, SplitTensor):
+        return [axis for part in q.parts for axis in token_axes(part)]
+    dim, scale_dim, _ = _token_dims(q)
+    return [(q.payload, dim % q.payload.dim()), (q.scale, scale_dim % q.scale.dim()),
+            (q.zero, scale_dim % q.zero.dim())]
+
+
 def map_batch(q: QuantizedTensor | SplitTensor | None, fn
               ) -> QuantizedTensor | SplitTensor | None:
     """``q`` with ``fn`` (an operation on the batch axis 0) applied to its tensors."""

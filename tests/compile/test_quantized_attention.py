@@ -368,11 +368,11 @@ def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monk
     """Groups of 8, a prompt of 6 (shorter than a group) and 64 new tokens: 8 groups settle.
     Prefill (more tokens than the patched ``MAX_DECODE_QUERY``) reads the cache dequantized.
 
-    Graphs: 4 — prefill, the first decode step, the window growing while no group is stored,
-    then one graph for every later step (the store's and the window's lengths dynamic and never
-    0 or 1, the settling of a group inside the graph). Through AOT autograd (Inductor) the step
-    that settles the first group takes one more when the prompt is shorter than a group: 5,
-    under dynamo's recompile limit of 8."""
+    Graphs: 3 — prefill, the decode steps while no group is stored (a prompt shorter than a
+    group: a count of 0 coded tokens, which dynamo specialises), then one graph for every later
+    step. ``generate`` marks the windows' and codes' lengths dynamic before each step
+    (``LatentCache.mark_dynamic``; never 0 or 1: spare rows and slots), and a group settles
+    inside the graph, so no length or settling compiles another."""
     monkeypatch.setattr(absorb_module, "MAX_DECODE_QUERY", 2)
     model = build(config_for("llama", heads=4, kv_heads=2, layers=2))
     ids, mask = prompt(length=6)
@@ -385,7 +385,7 @@ def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monk
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
                                atol=1e-4, rtol=1e-4)
     assert breaks == 0
-    assert len(graphs) == 4
+    assert len(graphs) == 3
     assert_decode_reads_codes(backend, graphs, model.config.num_hidden_layers)
 
 

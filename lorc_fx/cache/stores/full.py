@@ -33,6 +33,9 @@ class FullStore:
     def place_sinks(self, positions: torch.Tensor) -> None:
         pass
 
+    def token_axes(self, window: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        return [(window, 2)] if window.dim() == 4 else []
+
     def tensors(self, window: torch.Tensor) -> list[torch.Tensor]:
         return [window]
 

@@ -36,7 +36,7 @@ import torch
 
 from lorc_fx.codes.integer import (ChannelSplit, QuantizedTensor, QuantSpec, SplitTensor,
                                    drop_tokens, map_batch, quantize, splice_tokens,
-                                   token_count, token_slots)
+                                   token_axes, token_count, token_slots)
 
 from ..latent_ops import dequantized
 
@@ -149,6 +149,10 @@ class IntegerStore:
             self.codes = drop_tokens(self.codes, min(tokens, coded))
         rest = tokens - min(tokens, coded)
         return window[..., rest:, :].clone() if rest else window
+
+    def token_axes(self, window: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """The window's and the codes' tensors, each with its axis that grows with tokens."""
+        return ([(window, 2)] if window.dim() == 4 else []) + token_axes(self.codes)
 
     def map_batch(self, fn) -> None:
         self.codes = map_batch(self.codes, fn)

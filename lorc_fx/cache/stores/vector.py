@@ -130,6 +130,9 @@ class VectorStore:
             self.codes = VectorCodes(self.codes.spec, tuple(fn(p) for p in self.codes.payload),
                                      self.codes.tokens)
 
+    def token_axes(self, window: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        return []  # coded and decoded outside the graph; its window is under a block long
+
     def tensors(self, window: torch.Tensor) -> list[torch.Tensor]:
         """The window, the sink and the packed indices (the book is the model's, like its
         weights: ``VectorBook.nbytes``)."""
