@@ -18,13 +18,13 @@ import lorc_fx.schemes  # noqa: F401  (registers the storage schemes)
 from lorc_fx.analysis import analyze
 from lorc_fx.analysis.capture import NoTokenInputs, NotTraceable
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.cache import install, layers_kept_as_built, sliding_windows
-from lorc_fx.cache.probe import cached_layers
+from lorc_fx.cache import install, layers_kept_as_built
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.options import PlanOptions
-from lorc_fx.plan.planner import Plan, cache_layer_input
+from lorc_fx.plan.planner import Plan
 from lorc_fx.report import CompressionReport
 from lorc_fx.schemes.plain import NoGraphPlan, plan_without_graph
+from lorc_fx.search.context import declined_layer_inputs
 from lorc_fx.search.planning import plan_model
 
 log = logging.getLogger(__name__)
@@ -126,17 +126,12 @@ def _plain_without_graph(model: nn.Module, blocks: list[AttentionBlock], err: Ex
     block's own reason): coding what a cache layer stores needs no proof from the graph.
     Raises :class:`NoGraphPlan` where the options ask for what needs the graph or no cache
     layer holds keys and values, ``UnreachableFraction`` where no plain plan fits."""
-    found = cached_layers(model)
-    if not found or isinstance(err, NoTokenInputs):
+    if isinstance(err, NoTokenInputs):
         raise NoGraphPlan(str(err))
     why = _declined(err)
-    reasons = {b.layer: b.reason for b in blocks if not b.supported and b.reason}
-    config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_attention_heads", None)
-    sliding = sliding_windows(config)
-    inputs = [cache_layer_input(c.layer, heads or c.kv_heads, c.kv_heads, c.k_head_dim,
-                                c.v_head_dim, reasons.get(c.layer, why), sliding.get(c.layer))
-              for c in found]
+    inputs = declined_layer_inputs(model, blocks, why)
+    if not inputs:
+        raise NoGraphPlan(str(err))
     planned = plan_without_graph(inputs, options, _dtype_bits(model), why)
     return replace(planned, fingerprint=plan_file.plan_fingerprint(model),
                    model_name=plan_file.model_name(model))
@@ -200,7 +195,9 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
     else:
         planned = load_plan(plan, model, blocks)
     install(model, planned, blocks)
-    unsupported = [(b.layer, b.reason) for b in blocks if not b.supported]
+    coded = {l.layer for l in planned.layers if not l.skipped}  # a plain plan codes declined
+    unsupported = [(b.layer, b.reason) for b in blocks   # layers too: their notes say why
+                   if not b.supported and b.layer not in coded]
     return CompressionReport(planned, unsupported, dtype_bytes)
 
 

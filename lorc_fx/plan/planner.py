@@ -115,6 +115,11 @@ class LayerInput:
     def v_width(self) -> int:
         return self.v_weight.shape[0] if self.from_graph else self.widths[1]
 
+    @property
+    def dtype_bits(self) -> int:
+        """Bits of the model's floats, read off its K weight (a declined layer has none)."""
+        return 8 * self.k_weight.element_size()
+
     @cached_property
     def kappa(self) -> tuple[float, float]:
         """Condition numbers of the K and V weights: an SVD each, once per input (the split

@@ -46,8 +46,9 @@ class Plain(Scheme):
                 for group in sorted(search.groups, reverse=True)]
 
     def _build(self, search: SearchContext, bits: int, group: int) -> tuple[Plan, float | None]:
-        plan = plain_quantized_plan(search.layer_inputs(),
-                                    search.candidate_options("commute", bits, group))
+        inputs = sorted(search.layer_inputs() + search.declined_inputs(), key=lambda l: l.layer)
+        plan = plain_quantized_plan(inputs, search.candidate_options("commute", bits, group),
+                                    search.layer_inputs()[0].dtype_bits)
         if over_budget(plan):  # said before measuring what would be left out anyway
             budget = plan.budget
             raise UnreachableFraction(f"plain KV quantization, {bits}-bit, G{group} is over "

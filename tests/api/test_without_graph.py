@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import lorc_fx
-from helpers.families import build, config_for, custom_attention_llama
+from helpers.families import (build, config_for, custom_attention_llama,
+                              llama_with_one_custom_attention_layer)
 from helpers.pass_helpers import compiled
 from lorc_fx.cache import LatentCache, LatentDynamicLayer
 from lorc_fx.compile.backend import lorc_backend
@@ -105,3 +106,20 @@ def test_a_saved_plan_of_a_declined_model_is_not_installed_but_said_why(tmp_path
     again = lorc_fx.compress(model, plan=path, progress=False)
     assert again.plan is None and "a saved plan installs only on attention" in again.left_alone
     assert not hasattr(model, "_lorc_plan")
+
+
+def test_a_layer_the_analysis_declines_beside_proven_ones_is_coded_by_a_plain_plan():
+    """Layer 1 runs a custom attention the analysis finds nothing in; layer 0 is proven. The
+    plain candidate codes both (measured as usual through the real cache), layer 1 saying
+    why it has no low rank; the cache holds the bytes the report says."""
+    model = llama_with_one_custom_attention_layer()
+    assert [b.layer for b in lorc_fx.analyze(model) if b.supported] == [0]
+    report = lorc_fx.compress(model, cache_fraction=0.3, progress=False)
+    plan = report.plan
+    assert plan.scheme.name == "plain" and [l.layer for l in plan.layers] == [0, 1]
+    assert "no low rank" in plan.layers[1].note and "no low rank" not in plan.layers[0].note
+    assert plan.cache_fraction <= 0.3 and not report.unsupported
+    out = model.generate(LONG[:, :64], max_new_tokens=1, do_sample=False,
+                         return_dict_in_generate=True)
+    assert all(isinstance(l, LatentDynamicLayer) for l in out.past_key_values.layers)
+    assert out.past_key_values.cache_bytes() == report.cache_bytes_per_token()[1] * 64 * 2

@@ -125,3 +125,17 @@ def custom_attention_llama(seed: int = 0):
     config = config_for("llama")
     config._attn_implementation = "relu_sq"
     return build(config, seed)
+
+
+def llama_with_one_custom_attention_layer(seed: int = 0):
+    """A tiny Llama of two layers whose second runs :func:`relu_attention` (its own copy of
+    the config names it): the analysis proves layer 0 alone."""
+    import copy
+
+    model = custom_attention_llama(seed)
+    model.config._attn_implementation = "eager"
+    first = model.model.layers[0].self_attn
+    first.config = copy.copy(model.config)
+    model.model.layers[1].self_attn.config = own = copy.copy(model.config)
+    own._attn_implementation = "relu_sq"
+    return model
