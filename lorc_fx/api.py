@@ -23,6 +23,8 @@ from lorc_fx.plan import plan_file
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import Plan
 from lorc_fx.report import CompressionReport
+from lorc_fx.schemes.plain import NoGraphPlan, plan_without_graph
+from lorc_fx.search.context import declined_layer_inputs
 from lorc_fx.search.planning import plan_model
 
 log = logging.getLogger(__name__)
@@ -91,19 +93,48 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     (the whole-model plan a tensor-parallel model is cached by, each process holding its
     heads' latents). On a model loaded tensor-parallel it is the model's split (``None``:
     taken from the model); every process plans the same whole-model plan from the gathered
-    K/V weights (collectives: call it on every process). A model without attention the
-    analysis can compress raises :class:`NoAttentionFound`."""
+    K/V weights (collectives: call it on every process). A model whose attention the
+    analysis declines (MLA, custom eager attention) gets a plain plan of what transformers'
+    cache holds for it, chosen by bits alone (nothing can be measured without the graph:
+    ``schemes.plain.plan_without_graph``); one where no cache layer holds keys and values,
+    or whose options need the graph (``latent_bits=16``, ``max_ppl_increase``, the whole
+    cache), raises :class:`NoAttentionFound`."""
     options = PlanOptions.of(options, **_with_fraction(cache_fraction, overrides))
     if blocks is None:
         blocks = analyze(model)
     if not compressible(model, blocks):
-        raise NoAttentionFound(model, blocks)
+        try:  # plain codes need no proof: only what the cache stores changes
+            return _plain_without_graph(model, blocks, NoAttentionFound(model, blocks), options)
+        except NoGraphPlan:
+            raise NoAttentionFound(model, blocks) from None
     planned = plan_model(model, blocks, options, progress)
     return replace(planned, fingerprint=plan_file.plan_fingerprint(model),
                    model_name=plan_file.model_name(model))
 
 
 _plan = plan  # ``compress`` takes a ``plan=`` argument
+
+
+def _dtype_bits(model: nn.Module) -> int:
+    return 8 * torch.empty((), dtype=next(model.parameters()).dtype).element_size()
+
+
+def _plain_without_graph(model: nn.Module, blocks: list[AttentionBlock], err: Exception,
+                         options: PlanOptions) -> Plan:
+    """The plain plan of every layer whose transformers cache holds keys and values
+    (``cache.probe``), for a model whose attention the analysis declined (``why``, and each
+    block's own reason): coding what a cache layer stores needs no proof from the graph.
+    Raises :class:`NoGraphPlan` where the options ask for what needs the graph or no cache
+    layer holds keys and values, ``UnreachableFraction`` where no plain plan fits."""
+    if isinstance(err, NoTokenInputs):
+        raise NoGraphPlan(str(err))
+    why = _declined(err)
+    inputs = declined_layer_inputs(model, blocks, why)
+    if not inputs:
+        raise NoGraphPlan(str(err))
+    planned = plan_without_graph(inputs, options, _dtype_bits(model), why)
+    return replace(planned, fingerprint=plan_file.plan_fingerprint(model),
+                   model_name=plan_file.model_name(model))
 
 
 def compress(model: nn.Module, cache_fraction: float | None = None, *,
@@ -120,8 +151,11 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
 
     Returns a report: what each layer stores, cache bytes per token full vs compressed, and
     the attention blocks left uncompressed with the reason; ``report.save(path)`` writes its
-    plan. A model with no attention the analysis can compress is left unchanged, with a
-    warning and a report that says why.
+    plan. Where the analysis declines the attention (or cannot trace the model), the layers
+    whose transformers cache holds keys and values are stored as plain codes chosen by bits
+    alone, each layer's note saying why nothing else is (:func:`plan`); a model with nothing
+    to code that way, or options that need the graph, is left unchanged, with a warning and
+    a report that says why.
     """
     if plan is not None and (cache_fraction is not None or options is not None or overrides):
         given = (["cache_fraction"] if cache_fraction is not None else []) \
@@ -138,9 +172,21 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
             raise NoAttentionFound(model, blocks)
     except (NoAttentionFound, NoTokenInputs, NotTraceable) as err:
         why = err if isinstance(err, NoAttentionFound) else NoAttentionFound(model, [], str(err))
-        log.warning("lorc_fx.compress: %s; the model is left unchanged", why)
-        return CompressionReport(None, [(b.layer, b.reason) for b in blocks or []], dtype_bytes,
-                                 left_alone=str(why))
+        unsupported = [(b.layer, b.reason) for b in blocks or []]
+        try:  # plain codes need no proof: only what the cache stores changes
+            if plan is not None:
+                raise NoGraphPlan(f"{why} (a saved plan installs only on attention the analysis "
+                                  "proves: plan this model again instead)")
+            planned = _plain_without_graph(model, blocks or [], why, options)
+        except NoGraphPlan as left:
+            log.warning("lorc_fx.compress: %s; the model is left unchanged", left)
+            return CompressionReport(None, unsupported, dtype_bytes, left_alone=str(left))
+        log.warning("lorc_fx.compress: %s; its cache is stored as plain codes, chosen by bits "
+                    "alone", why)
+        install(model, planned, blocks or [])
+        coded = {l.layer for l in planned.layers if not l.skipped}  # their notes say why
+        return CompressionReport(planned, [(l, r) for l, r in unsupported if l not in coded],
+                                 dtype_bytes)
     if plan is None:
         planned = _plan(model, options=options, blocks=blocks, progress=progress)
     elif isinstance(plan, Plan):
@@ -149,8 +195,18 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
     else:
         planned = load_plan(plan, model, blocks)
     install(model, planned, blocks)
-    unsupported = [(b.layer, b.reason) for b in blocks if not b.supported]
+    coded = {l.layer for l in planned.layers if not l.skipped}  # a plain plan codes declined
+    unsupported = [(b.layer, b.reason) for b in blocks   # layers too: their notes say why
+                   if not b.supported and b.layer not in coded]
     return CompressionReport(planned, unsupported, dtype_bytes)
+
+
+def _declined(err: Exception) -> str:
+    """Why the analysis gave no block to compress, in its words (each declined block's own
+    reason goes with its layer)."""
+    if isinstance(err, NoAttentionFound):
+        return str(err).split(": ", 1)[-1]
+    return str(err)
 
 
 def _with_fraction(cache_fraction: float | None, overrides: dict) -> dict:

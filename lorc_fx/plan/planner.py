@@ -74,8 +74,10 @@ class LayerInput:
     """What the plan needs to know about one attention layer."""
 
     layer: int
-    k_weight: torch.Tensor  # (num_kv_heads * head_dim, D), nn.Linear layout
-    v_weight: torch.Tensor
+    # (num_kv_heads * head_dim, D), nn.Linear layout; None for a layer the analysis declined,
+    # known by what its cache holds alone (``cache_layer_input``: plain plans only)
+    k_weight: torch.Tensor | None
+    v_weight: torch.Tensor | None
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -95,12 +97,53 @@ class LayerInput:
     # (``cache.LatentSlidingLayer``), other schemes keep its keys and values raw
     sliding_window: int | None = None
     sliding_kind: str = ""  # its layer type (``sliding_attention``, ``chunked_attention``)
+    # without weights (a declined layer): the widths its cache holds, and the value head dim
+    # where it is not ``head_dim`` (MLA: keys of nope + rope dims, values of their own)
+    widths: tuple[int, int] | None = None
+    v_head_dim: int | None = None
+
+    @property
+    def from_graph(self) -> bool:
+        """Whether the analysis proved this layer (its K/V weights are known)."""
+        return self.k_weight is not None
+
+    @property
+    def k_width(self) -> int:
+        return self.k_weight.shape[0] if self.from_graph else self.widths[0]
+
+    @property
+    def v_width(self) -> int:
+        return self.v_weight.shape[0] if self.from_graph else self.widths[1]
+
+    @property
+    def dtype_bits(self) -> int:
+        """Bits of the model's floats, read off its K weight (a declined layer has none)."""
+        return 8 * self.k_weight.element_size()
 
     @cached_property
     def kappa(self) -> tuple[float, float]:
         """Condition numbers of the K and V weights: an SVD each, once per input (the split
-        search plans the same inputs many times)."""
+        search plans the same inputs many times); 1 without weights (nothing ranks them)."""
+        if not self.from_graph:
+            return 1.0, 1.0
         return condition_number(self.k_weight), condition_number(self.v_weight)
+
+
+def cache_layer_input(layer: int, num_heads: int, num_kv_heads: int, k_head_dim: int,
+                      v_head_dim: int, why: str, sliding: tuple[str, int] | None = None
+                      ) -> LayerInput:
+    """A layer the analysis declined (``why``), known by the keys and values its cache holds
+    alone (``num_kv_heads`` heads of ``k_head_dim`` / ``v_head_dim`` dims): only a plain plan
+    stores it (codes of what the cache receives need no proof of how it was computed), its
+    note says why nothing else does. ``sliding``: (layer type, window) of a sliding layer."""
+    kind, window = sliding if sliding is not None else ("", None)
+    return LayerInput(
+        layer=layer, k_weight=None, v_weight=None, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=k_head_dim, rope=RopeLayout(), compress_k=False,
+        compress_v=False, note=f"plain codes only, no low rank: {why}",
+        widths=(num_kv_heads * k_head_dim, num_kv_heads * v_head_dim),
+        v_head_dim=None if v_head_dim == k_head_dim else v_head_dim,
+        sliding_window=window, sliding_kind=kind)
 
 
 def _whole_weight(block: AttentionBlock, role: str, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -243,6 +286,9 @@ class Plan:
     # the shard of ``options.shards`` this plan is (``local``): its layers cover that shard's
     # KV heads only; None: the whole model
     shard: int | None = None
+    # why nothing was measured: the analysis declined the attention, so a plain plan was
+    # chosen by bits alone (``schemes.plain.plan_without_graph``); "" for a searched plan
+    unproven: str = ""
 
     @property
     def budget(self) -> Budget:
@@ -328,7 +374,7 @@ class Plan:
             "reachable": list(self.reachable),
             "kind": self.scheme.name,
             "options": asdict(self.options),
-            "basis_note": self.basis_note, "shard": self.shard,
+            "basis_note": self.basis_note, "shard": self.shard, "unproven": self.unproven,
             "fraction_search": self.fraction_search,
             "candidates": self.candidates,
             "layers": [l.summary() for l in self.layers],
@@ -596,21 +642,21 @@ def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
     kappa_k, kappa_v = zip(*(l.kappa for l in layers))
     plans = []
     for l, kk, kv, lk in zip(layers, kappa_k, kappa_v, cumulative_log_kappa(kappa_k, kappa_v)):
-        k_eye = torch.eye(l.k_weight.shape[0], dtype=torch.float64)
-        v_eye = torch.eye(l.v_weight.shape[0], dtype=torch.float64)
+        k_eye = torch.eye(l.k_width, dtype=torch.float64)
+        v_eye = torch.eye(l.v_width, dtype=torch.float64)
         kept = not l.kept_as_built
+        sliding = sliding_note(l.sliding_kind, l.sliding_window, True) if l.sliding_window else ""
+        note = (l.note if l.kept_as_built or not l.from_graph and not sliding
+                else f"{sliding}; {l.note}" if not l.from_graph else sliding)
         plans.append(LayerPlan(
             layer=l.layer, k_full=len(k_eye), v_full=len(v_eye), k_rank=len(k_eye),
             v_rank=len(v_eye), skipped=l.kept_as_built, kappa_k=kk, kappa_v=kv,
             log_kappa_cum=lk, num_heads=l.num_heads, num_kv_heads=l.num_kv_heads,
             head_dim=l.head_dim, rope=l.rope, k_latent_of="post_rope", k_basis=k_eye,
             v_basis=v_eye, k_rebuild=k_eye, v_rebuild=v_eye,
-            note=(l.note if l.kept_as_built
-                  else sliding_note(l.sliding_kind, l.sliding_window, True) if l.sliding_window
-                  else ""),
-            k_code=QuantSpec.per_channel(bits, group, scales) if kept else None,
-            v_code=QuantSpec.per_token(bits, value_token_group(l.head_dim, group), scales)
-            if kept else None))
+            note=note, k_code=QuantSpec.per_channel(bits, group, scales) if kept else None,
+            v_code=QuantSpec.per_token(bits, value_token_group(l.v_head_dim or l.head_dim, group),
+                                       scales) if kept else None))
     plan = Plan(plans, options, (0.0, 0.0), 0, dtype_bits=dtype_bits,
                 scheme=scheme_named(PLAIN))
     size = options.budget.of(plan)

@@ -8,12 +8,20 @@ calibration of a basis, and where 8-bit codes fit the budget they cost nothing m
 candidate within noise of the full cache ends the search. Splitting the KV heads over
 tensor-parallel processes changes nothing: each quantizes its own heads' keys and values,
 grouped exactly as on one process.
+
+It needs no proof from the graph either: it only changes what a cache layer stores, so where
+the analysis declines a block or a whole model (MLA, a forward dynamo cannot trace, custom
+attention), ``plan_without_graph`` codes what transformers' cache holds for it. Nothing is
+measured there (the graph that a candidate's loss and the other schemes need is what was
+declined): the widest code that fits the budget is chosen, 8-bit G64 first.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
-from lorc_fx.plan.planner import Plan, plain_quantized_plan
+from lorc_fx.plan.options import AUTO, PlanOptions
+from lorc_fx.plan.planner import LayerInput, Plan, plain_quantized_plan
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import PLAIN, Capabilities, Scheme, register
 from lorc_fx.search.candidates import over_budget
@@ -38,8 +46,9 @@ class Plain(Scheme):
                 for group in sorted(search.groups, reverse=True)]
 
     def _build(self, search: SearchContext, bits: int, group: int) -> tuple[Plan, float | None]:
-        plan = plain_quantized_plan(search.layer_inputs(),
-                                    search.candidate_options("commute", bits, group))
+        inputs = sorted(search.layer_inputs() + search.declined_inputs(), key=lambda l: l.layer)
+        plan = plain_quantized_plan(inputs, search.candidate_options("commute", bits, group),
+                                    search.layer_inputs()[0].dtype_bits)
         if over_budget(plan):  # said before measuring what would be left out anyway
             budget = plan.budget
             raise UnreachableFraction(f"plain KV quantization, {bits}-bit, G{group} is over "
@@ -56,12 +65,57 @@ class Plain(Scheme):
     def describe(self, plan: Plan) -> list[str]:
         o = plan.options
         kept = sum(l.skipped for l in plan.layers)
+        chosen = ([f"chosen by bits alone, nothing measured: {plan.unproven}"]
+                  if plan.unproven else [])
         return [f"plain KV quantization of {len(plan.layers) - kept} attention layers"
                 + (f" ({kept} kept as transformers builds them)" if kept else "")
                 + f", no low rank: keys (after RoPE) and values stored as {o.latent_bits}-bit "
                 f"codes, keys per channel over groups of {o.latent_group} tokens, values per "
                 "token over groups of channels within each head (the last partial group of "
-                "tokens in full precision)"]
+                "tokens in full precision)"] + chosen
 
 
 register(Plain())
+
+# what a plan without the graph tries, in order: the widest code first, then fewest bytes
+NO_GRAPH_WIDTHS, NO_GRAPH_GROUPS = (8, 4), (64, 32)
+
+
+class NoGraphPlan(ValueError):
+    """The options ask for what only the graph's proof gives (low rank, a measured target, the
+    whole cache exact): a declined model is left as it is."""
+
+
+def plan_without_graph(inputs: list[LayerInput], options: PlanOptions, dtype_bits: int,
+                       why: str) -> Plan:
+    """The plain plan of layers the analysis declined (``inputs``: what their cache holds,
+    ``planner.cache_layer_input``; ``why``: the analysis's words) for ``options``' budget,
+    chosen by bits alone, as nothing can be measured: the widest of ``NO_GRAPH_WIDTHS`` (or
+    ``latent_bits`` where given) at the largest group (or ``latent_group``) that fits.
+    Raises ``UnreachableFraction`` (the least such a plan reaches) where none fits, and
+    :class:`NoGraphPlan` where the options ask for what needs the graph."""
+    if options.latent_bits == 16:
+        raise NoGraphPlan(f"latent_bits=16 asks for low rank, which needs the graph: {why}")
+    if options.max_ppl_increase is not None:
+        raise NoGraphPlan(f"max_ppl_increase measures candidates, which needs the graph: {why}")
+    if options.budget.whole:
+        raise NoGraphPlan(f"{options.budget} keeps the whole cache: {why}")
+    widths = NO_GRAPH_WIDTHS if options.latent_bits == AUTO else (options.latent_bits,)
+    groups = NO_GRAPH_GROUPS if options.latent_group is None else (options.latent_group,)
+    least = None
+    for bits in widths:
+        for group in groups:
+            plan = plain_quantized_plan(
+                inputs, replace(options, latent_bits=bits, latent_group=group), dtype_bits)
+            if not over_budget(plan):
+                plan.unproven = (f"the analysis declined the attention ({why}), so plain "
+                                 f"{bits}-bit codes, the widest that fit the budget, store "
+                                 "what transformers' cache holds")
+                return plan
+            size = plan.budget.of(plan)
+            least = size if least is None else min(least, size)
+    budget = options.budget
+    raise UnreachableFraction(
+        f"{budget} is out of reach: the analysis declined this model's attention ({why}), so "
+        f"only plain codes store its cache, which reach [{least:.3f}, {budget.top:g}] "
+        f"({budget.unit})", least)

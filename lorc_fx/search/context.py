@@ -11,9 +11,11 @@ from torch import nn
 
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
 from lorc_fx.cache import layers_kept_as_built, sliding_windows
+from lorc_fx.cache.probe import cached_layers
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.options import AUTO, LATENT_BITS, LATENT_GROUPS, PlanOptions
-from lorc_fx.plan.planner import LayerInput, Plan, layer_inputs, sliding_note
+from lorc_fx.plan.planner import (LayerInput, Plan, cache_layer_input, layer_inputs,
+                                  sliding_note)
 
 # bases measured on calibration text; with them the calibrated schedule measures its split too
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
@@ -51,6 +53,7 @@ class SearchContext:
     splits: dict[tuple[str, int], float] = field(default_factory=dict)
     # what does not depend on the budget, shared by the contexts ``at_budget`` makes
     _inputs: list[LayerInput] | None = None
+    _declined: list[LayerInput] | None = None
     _prepared: dict[str, tuple[str, list[LayerInput], str]] = field(default_factory=dict)
 
     @property
@@ -76,6 +79,16 @@ class SearchContext:
         if self._inputs is None:
             self._inputs = model_layer_inputs(self.model, self.blocks, self.options.shards)
         return self._inputs
+
+    def declined_inputs(self) -> list[LayerInput]:
+        """The layers whose transformers cache holds keys and values but no supported block
+        proves (declined, or not found), known by their cache's shapes alone: plain plans
+        code them too, other schemes leave them as transformers stores them. None over
+        shards (the probe would run the model on one process)."""
+        if self._declined is None:
+            self._declined = ([] if (self.options.shards or 1) > 1 else declined_layer_inputs(
+                self.model, self.blocks, "the analysis found no attention block writing it"))
+        return self._declined
 
     def prepared(self, rope: str) -> tuple[PlanOptions, list[LayerInput], str]:
         """For RoPE mode ``rope``: the options with the basis resolved, the layers' inputs
@@ -120,6 +133,36 @@ def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: i
             layer.sliding_window, layer.sliding_kind = window, kind
             layer.note = sliding_note(kind, window, False)
     return inputs
+
+
+def declined_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], why: str
+                          ) -> list[LayerInput]:
+    """A :func:`~lorc_fx.plan.planner.cache_layer_input` for each layer whose transformers
+    cache holds keys and values (``cache.probe``, one short forward) and that no supported
+    block covers, its note giving the block's reason (else ``why``)."""
+    proven = {b.layer for b in blocks if b.supported}
+    found = [c for c in cached_layers(model) if c.layer not in proven] \
+        if len(proven) < len(blocks) or not proven or _more_cache_layers(model, proven) else []
+    if not found:
+        return []
+    reasons = {b.layer: b.reason for b in blocks if not b.supported and b.reason}
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_attention_heads", None)
+    sliding = sliding_windows(config)
+    return [cache_layer_input(c.layer, heads or c.kv_heads, c.kv_heads, c.k_head_dim,
+                              c.v_head_dim, reasons.get(c.layer, why), sliding.get(c.layer))
+            for c in found]
+
+
+def _more_cache_layers(model: nn.Module, proven: set[int]) -> bool:
+    """Whether the model's config has key/value cache layers beyond the ``proven`` ones (then
+    the cache is probed for them)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    layers = getattr(text, "num_hidden_layers", None)
+    if layers is None:
+        return True
+    return len(proven) + len(layers_kept_as_built(config)) < layers
 
 
 def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock],

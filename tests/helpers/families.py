@@ -100,3 +100,42 @@ def architectures(draw, families=FAMILIES):
     bias = draw(st.booleans())
     return family, config_for(family, heads, kv_heads, head_dim, draw(st.integers(1, 3)) if
                               family != "gemma3" else 2, bias, rotary)
+
+
+def relu_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                   **kwargs):
+    """A custom eager attention (squared-ReLU weights, no softmax) the analysis finds no
+    attention in: registered as ``"relu_sq"`` by :func:`custom_attention_llama`."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    weights = torch.relu(scores) ** 2
+    weights = weights / (weights.sum(-1, keepdim=True) + 1e-6)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def custom_attention_llama(seed: int = 0):
+    """A tiny Llama running :func:`relu_attention` through transformers' attention
+    interface."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("relu_sq", relu_attention)
+    config = config_for("llama")
+    config._attn_implementation = "relu_sq"
+    return build(config, seed)
+
+
+def llama_with_one_custom_attention_layer(seed: int = 0):
+    """A tiny Llama of two layers whose second runs :func:`relu_attention` (its own copy of
+    the config names it): the analysis proves layer 0 alone."""
+    import copy
+
+    model = custom_attention_llama(seed)
+    model.config._attn_implementation = "eager"
+    first = model.model.layers[0].self_attn
+    first.config = copy.copy(model.config)
+    model.model.layers[1].self_attn.config = own = copy.copy(model.config)
+    own._attn_implementation = "relu_sq"
+    return model
