@@ -100,6 +100,19 @@ class _RotaryLogOwner:
         return self.bases.rotary if self.logs_rotary else None
 
 
+class _FixedAddresses:
+    """Policy of a static latent layer: its buffers keep the fixed addresses a compiled step
+    was traced with, so it refuses offloading."""
+
+    def offload(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")
+
+    def prefetch(self):
+        raise NotImplementedError("offloading a static latent layer is not supported: its "
+                                  "buffers keep fixed addresses")
+
+
 class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
     """A growing cache of one layer: each side's window in ``keys`` / ``values`` (latents
     ``(b, 1, n, r)``: the head axis keeps the seq axis at -2, so masks and
@@ -302,7 +315,7 @@ class LatentSlidingLayer(LatentDynamicLayer, DynamicSlidingWindowLayer):
         self.cumulative_length -= -tokens_to_remove
 
 
-class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
+class LatentStaticLayer(_FixedAddresses, _RotaryLogOwner, StaticLayer):
     """A preallocated cache of one layer for ``max_cache_len`` tokens: each side's window
     (the whole buffer of an uncoded side) in ``keys`` / ``values``, its codes in the store of
     its code, written in place at the cache positions (``cumulative_length`` on), so a
@@ -368,16 +381,8 @@ class LatentStaticLayer(_RotaryLogOwner, StaticLayer):
         if self._log() is not None:
             self._log().reset()
 
-    def offload(self):
-        raise NotImplementedError("offloading a static latent layer is not supported: its "
-                                  "buffers keep fixed addresses")
 
-    def prefetch(self):
-        raise NotImplementedError("offloading a static latent layer is not supported: its "
-                                  "buffers keep fixed addresses")
-
-
-class LatentStaticSlidingLayer(StaticSlidingWindowLayer):
+class LatentStaticSlidingLayer(_FixedAddresses, StaticSlidingWindowLayer):
     """A static sliding-window (or chunked) layer over stores: transformers'
     ``StaticSlidingWindowLayer`` semantics (``get_seq_length``, ``get_mask_sizes``, what
     ``update`` returns), each side held by the static store of its code in a **ring buffer**
@@ -474,11 +479,3 @@ class LatentStaticSlidingLayer(StaticSlidingWindowLayer):
         for t in self.tensors() if self.is_initialized else ():
             t.zero_()
         self.position.zero_()
-
-    def offload(self):
-        raise NotImplementedError("offloading a static latent layer is not supported: its "
-                                  "buffers keep fixed addresses")
-
-    def prefetch(self):
-        raise NotImplementedError("offloading a static latent layer is not supported: its "
-                                  "buffers keep fixed addresses")
