@@ -174,12 +174,12 @@ def test_tensor_parallel_whitened_basis_calibrates_on_each_process(models, tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [("--basis", "weight"), DEFAULTS], ids=["low_rank", "plain"])
 def test_compression_adds_no_collective_to_the_compiled_decode_graph(models, tmp_path, options):
-    """The graphs torch.compile hands each backend, uncompressed (Inductor) and compressed
-    at 0.5 (``lorc_backend``), hold the same collectives: transformers' own (the row-parallel
-    o_proj/down_proj all-reduces, the embedding/lm_head redistributions), none added by the
-    latent cache or the absorbed attention, over low-rank latents (weight basis) or 8-bit
-    codes (the default options' plain plan, whose compiled tokens are the single-process
-    eager plan's): ~80 s each."""
+    """Each graph torch.compile hands ``lorc_backend`` for the model compressed at 0.5 holds
+    no more collectives than Inductor's graph of the same step uncompressed: transformers' own
+    (the row-parallel o_proj/down_proj all-reduces, the embedding/lm_head redistributions),
+    none added by the latent cache or the absorbed attention, over low-rank latents (weight
+    basis) or 8-bit codes (the default options' plain plan, whose compiled tokens are the
+    single-process eager plan's): ~80 s each."""
     runs = _torchrun(tmp_path / "collectives.json", models["llama"], "--fractions", "0.5",
                      "--count-collectives", *options)
     if options == DEFAULTS:
@@ -189,8 +189,13 @@ def test_compression_adds_no_collective_to_the_compiled_decode_graph(models, tmp
         plain, compressed = rank["uncompressed"]["graphs"], rank["compressed"]["graphs"]
         decode = [g for g in compressed if g["input_ids"] == [[1, 1]]]
         assert decode and all(g["passes"].get("absorb_latent_attention") for g in decode)
-        assert [g["input_ids"] for g in plain] == [g["input_ids"] for g in compressed]
-        for before, after in zip(plain, compressed):
+        # The latent cache marks its growing axes dynamic before the first decode step, so the
+        # compressed model may compile fewer decode graphs than the uncompressed one (which
+        # recompiles once its cache length changes): compare each graph with the uncompressed
+        # graph of the same step.
+        assert {str(g["input_ids"]) for g in plain} == {str(g["input_ids"]) for g in compressed}
+        for after in compressed:
+            before = next(g for g in plain if g["input_ids"] == after["input_ids"])
             assert before["received"], "transformers' row-parallel all-reduces were not seen"
             assert len(after["received"]) <= len(before["received"]), after["received"]
             assert len(after["handed_on"]) <= len(before["handed_on"]), after["handed_on"]
