@@ -96,13 +96,14 @@ class LatentCache(Cache):
         layers, log_owner = [], None
         for i, layer in enumerate(cache.layers):
             k_code, v_code = codes.get(i, (None, None))
+            sliding = type(layer) in (StaticSlidingWindowLayer, DynamicSlidingWindowLayer)
+            if i in bases and sliding and VectorBook in (type(k_code), type(v_code)):
+                raise ValueError(f"layer {i}: a sliding-window layer cannot hold vector codes")
             if i in bases and type(layer) is StaticSlidingWindowLayer \
                     and (k_code is not None or v_code is not None):
                 layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
                                                  bases[i], k_code, v_code)
             elif i in bases and type(layer) is DynamicSlidingWindowLayer:
-                if isinstance(k_code, VectorBook) or isinstance(v_code, VectorBook):
-                    raise ValueError(f"layer {i}: a sliding-window layer cannot hold vector codes")
                 layer = LatentSlidingLayer(layer.sliding_window, bases[i], k_code, v_code)
             elif i in bases and type(layer) in (DynamicLayer, StaticLayer):
                 b = bases[i]
@@ -120,7 +121,7 @@ class LatentCache(Cache):
         """Where each row's first token sits (``(b,)``, after its left padding): what stores
         that keep a sink keep in full precision (``stores.vector``)."""
         for layer in self.layers:
-            if isinstance(layer, LatentDynamicLayer):
+            if isinstance(layer, (LatentDynamicLayer, LatentStaticLayer)):
                 layer.place_sinks(positions)
 
     def mark_dynamic(self) -> None:

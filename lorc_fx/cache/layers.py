@@ -367,6 +367,11 @@ class LatentStaticLayer(_FixedAddresses, _RotaryLogOwner, StaticLayer):
         self.cumulative_length.add_(tokens)
         return self.bases.expand(*self.latents())
 
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Where each row's first token sits ``(b,)``, before the first update."""
+        self.k_store.place_sinks(positions)
+        self.v_store.place_sinks(positions)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             for t in self.tensors():
@@ -468,6 +473,11 @@ class LatentStaticSlidingLayer(_FixedAddresses, StaticSlidingWindowLayer):
         self._write(k[..., skip:, :], v[..., skip:, :])
         old = self.bases.expand(*old)
         return (torch.cat([old[0], key_states], dim=-2), torch.cat([old[1], value_states], dim=-2))
+
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Where each row's first token sits ``(b,)``, before the first update."""
+        self.k_store.place_sinks(positions)
+        self.v_store.place_sinks(positions)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:

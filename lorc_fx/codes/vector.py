@@ -162,11 +162,17 @@ def encode(z: torch.Tensor, book: VectorBook) -> VectorCodes:
     if pad:  # the last token repeated: a whole block, its bytes counted
         z = torch.cat([z, z[:, -1:].expand(-1, pad, -1)], dim=1)
     payload = []
-    for (first, subs, d, ib), (codewords, _) in zip(spec.layout(), book.tables):
-        idx = nearest(_sub_vectors(z, first, subs, d), codewords)  # (b, S, blocks·BLOCK)
+    for (*_, ib), idx in zip(spec.layout(), indices(z, book)):  # (b, S, blocks·BLOCK) each
         blocks = idx.reshape(*idx.shape[:-1], -1, BLOCK)
         payload.append(pack_bits(blocks, ib).flatten(-2))
     return VectorCodes(spec, tuple(payload), n)
+
+
+def indices(z: torch.Tensor, book: VectorBook) -> list[torch.Tensor]:
+    """Each run's nearest-codeword indices of a latent ``z (b, n, r)``, ``(b, S, n)`` int64:
+    a token's indices depend on that token alone."""
+    return [nearest(_sub_vectors(z, first, subs, d), codewords)
+            for (first, subs, d, _), (codewords, _) in zip(book.spec.layout(), book.tables)]
 
 
 def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:

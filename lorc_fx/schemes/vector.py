@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 class Vector(Scheme):
     name = "vector"
     title = "vector codes"
-    capabilities = Capabilities(static_cache=False, compiled_decode=False, shards=False)
+    capabilities = Capabilities(static_cache=True, compiled_decode=True, shards=False)
 
     def candidates(self, search: SearchContext) -> list[Candidate]:
         """One, where the storage is searched and keys may be cached before RoPE."""

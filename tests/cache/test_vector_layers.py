@@ -9,7 +9,8 @@ from lorc_fx.analysis.records import named_params
 from lorc_fx.api import compress, load_plan, save_plan
 from lorc_fx.cache import latent_cache
 from lorc_fx.cache.stores.vector import VectorStore
-from lorc_fx.codes.vector import BLOCK, VectorBook, VectorSpec, decode
+from lorc_fx.cache.stores.vector_static import VectorStaticStore
+from lorc_fx.codes.vector import BLOCK, VectorBook, VectorSpec, decode, encode
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import layer_inputs
@@ -72,7 +73,8 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
         for x, y in zip(a.latents(), b.latents()):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
         side = a.k_store
-        assert side.coded == 29 // BLOCK * BLOCK and a.keys.shape[-2] == 29 % BLOCK
+        assert side.coded == 29 // BLOCK * BLOCK
+        assert side.window_tokens(a.keys).shape[-2] == 29 % BLOCK
         read = a.latents()[0]
         torch.testing.assert_close(read[:, :, 0], side.sink[:, :, 0])
         coded = decode(side.codes, side.book)[:, None]
@@ -89,14 +91,9 @@ def test_a_store_fed_block_by_block_reads_what_one_append_reads():
     """Decoding appends a block of codes at a time: every index width (4 bits a channel packs
     two indices a byte, 2.5 bits five-bit indices, 1.5 six-bit ones) reads back as the codes
     of one append of all the tokens, and cuts to the same prefix."""
-    gen = torch.Generator().manual_seed(0)
     spec = VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8)
-    tables = []
-    for _, subs, d, ib in spec.layout():
-        codewords = torch.randn(subs, 1 << ib, d, generator=gen)
-        tables.append((codewords, codewords))
-    book = VectorBook(spec, tuple(tables))
-    latents = torch.randn(2, 1, 37, spec.width, generator=gen)
+    book = _book(spec)
+    latents = torch.randn(2, 1, 37, spec.width, generator=torch.Generator().manual_seed(1))
     whole, steps = VectorStore(book), VectorStore(book)
     whole_window = whole.append(torch.tensor([]), latents)
     window = steps.append(torch.tensor([]), latents[:, :, :5])
@@ -104,6 +101,39 @@ def test_a_store_fed_block_by_block_reads_what_one_append_reads():
         window = steps.append(window, latents[:, :, t:t + 1])
     assert torch.equal(steps.read(window), whole.read(whole_window))
     assert torch.equal(steps.read(steps.cut(window, 19)), whole.read(whole.cut(whole_window, 19)))
+
+
+def test_a_static_store_holds_the_codes_of_one_encode_and_the_sink_as_it_came():
+    """Written in place from any offset (a prefill of 13, then one token a step, then 5),
+    the static store's blocks hold, byte for byte, the codes one ``encode`` of every token
+    stores; it reads every written token decoded but each row's sink, which it reads as it
+    came (row 1's at position 2, placed before the first write)."""
+    book = _book(VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8))
+    latents = torch.randn(2, 1, 37, book.spec.width, generator=torch.Generator().manual_seed(1))
+    store = VectorStaticStore(book)
+    store.place_sinks(torch.tensor([0, 2]))
+    window = store.allocate(latents, torch.eye(book.spec.width), 40)
+    start = 0
+    for t in [13] + [1] * 19 + [5]:
+        store.write(window, latents[:, :, start:start + t],
+                    torch.arange(start, start + t), torch.tensor(start))
+        start += t
+    whole = encode(latents[:, 0, :32], book)
+    for packed, once, (*_, ib) in zip(store.payload, whole.payload, book.spec.layout()):
+        assert torch.equal(packed.flatten(-2)[..., :32 // BLOCK * ib], once)
+    read = store.read(window)[:, :, :37]
+    expected = decode(encode(latents[:, 0], book), book)[:, None]
+    expected[0, :, 0], expected[1, :, 2] = latents[0, :, 0], latents[1, :, 2]
+    torch.testing.assert_close(read, expected)
+
+
+def _book(spec: VectorSpec) -> VectorBook:
+    gen = torch.Generator().manual_seed(0)
+    tables = []
+    for _, subs, d, ib in spec.layout():
+        codewords = torch.randn(subs, 1 << ib, d, generator=gen)
+        tables.append((codewords, codewords))
+    return VectorBook(spec, tuple(tables))
 
 
 def test_crop_keeps_the_first_tokens_as_they_were_read(model, plan):
@@ -121,8 +151,8 @@ def test_crop_keeps_the_first_tokens_as_they_were_read(model, plan):
 
 def test_generate_continues_a_returned_cache_and_runs_beams(model, plan, tmp_path):
     """Greedy decode in two calls, the second continuing the first's cache, gives the tokens
-    of one call (left padding in the batch); beams and batch expansion run; a static cache
-    is refused, naming why; the plan saved and loaded again gives the same tokens."""
+    of one call (left padding in the batch); beams and batch expansion run; the plan saved
+    and loaded again gives the same tokens."""
     compress(model, plan=plan)
     ids, mask = prompt(length=6)
     once = generate(model, ids, mask, new_tokens=20)
@@ -135,27 +165,46 @@ def test_generate_continues_a_returned_cache_and_runs_beams(model, plan, tmp_pat
     assert torch.equal(second, once.sequences)
     beams = generate(model, ids, mask, new_tokens=10, num_beams=3, num_return_sequences=2)
     assert beams.sequences.shape == (4, 16)
-    with pytest.raises(ValueError, match="dynamic cache"):
-        generate(model, ids, mask, "static", new_tokens=2)
     loaded = load_plan(save_plan(plan, tmp_path / "vector.safetensors"), model)
     assert [l.k_code.spec for l in loaded.layers] == [l.k_code.spec for l in plan.layers]
     compress(model, plan=loaded)
     assert torch.equal(generate(model, ids, mask, new_tokens=20).sequences, once.sequences)
 
 
-def test_compiled_generate_gives_the_eager_tokens(model, plan, caplog):
-    """Compiled (the passes, without Inductor), the codes are read outside the graph: the
-    eager tokens; installing the plan says what the vector codes leave eager."""
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan, cache, caplog):
+    """Compiled (the passes, without Inductor): coding and decoding are in the graph, no
+    break, two graphs (prefill, and one for every decode step), the eager tokens and logits.
+    Dynamic: a prompt of 6 and 30 new tokens settle blocks inside the decode graph, and what
+    attention reads is gathered (no tensor of the coded tokens alone, 0 until a block fills).
+    Static: every write packs its tokens' indices into their blocks in place, each row's sink
+    where it falls (row 1's after its left padding)."""
+    from torch._dynamo.utils import counters
+
     with caplog.at_level("WARNING", logger="lorc_fx.cache.install"):
         compress(model, plan=plan)
-    assert "breaks the graph at the codes" in caplog.text
+    assert "vector codes" not in caplog.text  # nothing left eager, no cache refused
     ids, mask = prompt(length=6)
-    eager = generate(model, ids, mask, new_tokens=10)
-    with compiled(model, lorc_backend.with_options(inductor=False)):
-        got = generate(model, ids, mask, new_tokens=10)
+    eager = generate(model, ids, mask, cache, new_tokens=30)
+    graphs = []
+    backend = lorc_backend.with_options(inductor=False)
+
+    def spy(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    counters.clear()
+    with compiled(model, spy):
+        got = generate(model, ids, mask, cache, new_tokens=30)
+    assert sum(counters["graph_break"].values()) == 0
+    assert len(graphs) == 2
     assert torch.equal(got.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(eager.logits),
                                atol=1e-4, rtol=1e-4)
+    if cache == "static":
+        layer = got.past_key_values.layers[0]
+        assert isinstance(layer.k_store, VectorStaticStore)
+        assert layer.k_store.sink_at.tolist() == [0, 2]
 
 
 def test_a_left_padded_row_keeps_its_first_token_as_it_came(model, plan):

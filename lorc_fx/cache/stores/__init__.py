@@ -14,8 +14,8 @@ rest (codes, scales, sinks). The store is chosen by the side's code in the plan
   sliding-window layer may hold (full and integer) also have ``droppable(window, tokens)`` and
   ``drop(window, tokens) -> window`` (the oldest tokens: whole groups of codes);
 - a static store has ``allocate(states, basis, max_cache_len) -> window``,
-  ``write(window, states, positions, start)`` (in place), ``read(window)`` and ``tensors()``
-  (its buffers besides the window).
+  ``write(window, states, positions, start)`` (in place), ``read(window)``, ``tensors()``
+  (its buffers besides the window) and ``place_sinks(positions)``.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from .full import FullStaticStore, FullStore
 from .integer import IntegerStore
 from .integer_static import IntegerStaticStore
 from .vector import VectorStore
+from .vector_static import VectorStaticStore
 
 
 def settle_group(codes) -> int:
@@ -47,10 +48,9 @@ def dynamic_store(code, group: int):
 
 
 def static_store(code):
-    """The static store of a side stored as ``code``; vector codes have none yet."""
+    """The static store of a side stored as ``code``."""
     if code is None:
         return FullStaticStore()
     if isinstance(code, VectorBook):
-        raise ValueError("vector codes need a dynamic cache: a static cache "
-                         "(cache_implementation='static') is not supported for them yet")
+        return VectorStaticStore(code)
     return IntegerStaticStore(code)

@@ -55,6 +55,9 @@ class FullStaticStore:
     def read(self, window: torch.Tensor) -> torch.Tensor:
         return window
 
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        pass  # every token is stored alike
+
     def tensors(self) -> list[torch.Tensor]:
         return []
 

@@ -79,7 +79,7 @@ class IntegerStore:
         if self.codes is None:  # the first tokens: spare slots only
             spare = new.new_zeros(*new.shape[:-2], SPARE_GROUPS * self.group, new.shape[-1])
             self.codes = token_slots(quantize(spare, self.spec), 0, SPARE_GROUPS * self.group)
-            window = _with_spare_rows(new[..., :0, :])
+            window = with_spare_rows(new[..., :0, :])
         held, incoming = window.shape[-2] - SPARE_ROWS, new.shape[-2]
         tokens = held + incoming
         # the window's tokens, the new ones over its spare rows, spare rows and one row more:
@@ -123,13 +123,13 @@ class IntegerStore:
             return window[..., :keep, :]
         stored = token_count(self.codes)
         if keep >= stored:
-            return _with_spare_rows(window[..., :keep - stored, :])
+            return with_spare_rows(window[..., :keep - stored, :])
         kept_groups = keep // self.group * self.group
         tail = self.codes.dequantize()[..., kept_groups:keep, :]
         self.codes = token_slots(self.codes, kept_groups,
                                  kept_groups + SPARE_GROUPS * self.group,
                                  copy=True)  # the slots of the groups after the kept ones
-        return _with_spare_rows(tail)
+        return with_spare_rows(tail)
 
     def droppable(self, window: torch.Tensor, tokens: int) -> int:
         """How many of the oldest ``tokens`` tokens (at most those held) :meth:`drop` can
@@ -167,7 +167,7 @@ class IntegerStore:
         return [self.window_tokens(window), *(quantized.tensors if quantized is not None else ())]
 
 
-def _with_spare_rows(tokens: torch.Tensor) -> torch.Tensor:
+def with_spare_rows(tokens: torch.Tensor) -> torch.Tensor:
     """A window of ``tokens`` followed by ``SPARE_ROWS`` rows."""
     spare = tokens.new_zeros(*tokens.shape[:-2], SPARE_ROWS, tokens.shape[-1])
     return torch.cat([tokens, spare], dim=-2)

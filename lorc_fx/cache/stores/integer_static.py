@@ -181,6 +181,9 @@ class IntegerStaticStore:
         """Every allocated position, dequantized (one ``lorc::dequantize`` node)."""
         return dequantized(self.codes)
 
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        pass  # every token is stored alike
+
     def tensors(self) -> list[torch.Tensor]:
         """Packed codes, scales, zero points (the window is the layer's)."""
         return [] if self.codes is None else list(self.codes.tensors)

@@ -1,38 +1,50 @@
 """The dynamic store of a latent side stored as product vector codes
 (:class:`~lorc_fx.codes.vector.VectorBook`, the ``vector`` scheme's plans). It holds
 
-- **codes**: the indices of whole blocks of ``BLOCK`` (8) tokens, packed per run
-  (``VectorCodes``: ``(b, S, blocks·index bits)`` uint8 each), the blocks aligned at cache
-  position 0;
+- **codes**: the indices of whole blocks of ``BLOCK`` (8) tokens, packed per run (``(b, S,
+  blocks·index bits)`` uint8 each), the blocks aligned at cache position 0, followed by
+  ``SPARE_BLOCKS`` spare blocks of slots;
 - a **window**: the tokens after the last whole block (fewer than ``BLOCK``), in the
-  latents' dtype, coded once their block fills (``keys`` / ``values`` hold it);
+  latents' dtype, then ``SPARE_ROWS`` spare rows, coded once their block fills (``keys`` /
+  ``values`` hold it);
 - a **sink**: each row's first token's latent in the latents' dtype, read instead of its code
   (position 0, or where ``place_sinks`` says: ``generate`` places each row's after its left
   padding, from the attention mask).
   The first token draws attention out of all proportion to its content (the attention sink);
   coded, its error costs more than every other token's (measured: ×2.46 perplexity on news at
-  2.56 bits without it, ×1.043 with it; bench/results/bit_waterfill-cpu.md). Its code is
-  stored too, so blocks stay aligned at position 0.
+  2.56 bits without it, ×1.043 with it; docs/findings.md). Its code is stored too, so blocks
+  stay aligned at position 0.
 
-What attention reads is ``cat([decode(codes), window])`` with each row's sink written over its
-position, rebuilt through the bases.
+What attention reads is the decoded codes, then the window, with each row's sink written over
+its position, rebuilt through the bases.
+
+Traced by dynamo (``lorc_backend``), ``append`` and ``read`` follow ``stores.integer``'s rules:
+no branch on how many blocks fill, and no tensor whose length could be 0 or 1 once decoding
+runs (hence the spare blocks and rows). A step writes the incoming tokens over the window's
+spare rows, codes the window's first block(s) (padded to whole blocks; each token's index
+depends on that token alone) and splices them over the spare block slots, keeping them, and
+dropping them from the window, only when a block filled. The coded token count is read off
+the codes' shape, never kept as a number (dynamo would guard on it).
 
 A forward outside ``generate`` over a left-padded batch keeps position 0 of every row (a pad
 token in a padded row): the store never reads the attention mask itself.
 
-``crop`` keeps the whole blocks before the cut as they are and moves the kept tokens of the
+``cut`` keeps the whole blocks before the cut as they are and moves the kept tokens of the
 cut block back into the window, decoded (they are coded again, from their reconstructions,
 when the block fills). Beam reordering and batch repeat/select index codes, sinks and windows
-along batch. Coding and decoding run eagerly: under ``torch.compile`` they are left out of the
-graph (``torch.compiler.disable``), so a compiled model gives the eager tokens but no speed-up.
-There is no static store of vector codes: a ``StaticCache`` of a vector plan is refused where
-the cache is built (``stores.static_store``).
+along batch. There is no static store of vector codes: a ``StaticCache`` of a vector plan is
+refused where the cache is built (``stores.static_store``).
 """
 from __future__ import annotations
 
 import torch
 
+from lorc_fx.codes.integer import splice
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode, encode
+
+from .integer import SPARE_ROWS, with_spare_rows
+
+SPARE_BLOCKS = 2  # blocks of code slots a side keeps past its coded tokens
 
 
 class VectorStore:
@@ -40,14 +52,31 @@ class VectorStore:
 
     def __init__(self, book: VectorBook):
         self.book = book
-        self.codes: VectorCodes | None = None  # whole blocks; None before the first block fills
+        self.payload: tuple[torch.Tensor, ...] | None = None  # per run, spare blocks included
         self.sink: torch.Tensor | None = None  # (b, 1, 1, r): each row's first token as it came
         self.sink_at: torch.Tensor | None = None  # (b,) its position; None: position 0
         self.started = False
 
+    def _index_bytes(self) -> list[int]:
+        """Bytes a block of each run's indices takes."""
+        return [ib for *_, ib in self.book.spec.layout()]
+
     @property
     def coded(self) -> int:
-        return 0 if self.codes is None else self.codes.tokens
+        """Tokens held as codes (whole blocks), read off the payload's shape."""
+        if self.payload is None:
+            return 0
+        return (self.payload[0].shape[-1] // self._index_bytes()[0] - SPARE_BLOCKS) * BLOCK
+
+    @property
+    def codes(self) -> VectorCodes | None:
+        """The codes of the coded tokens, without spare slots; None while there are none."""
+        coded = self.coded
+        if coded == 0:
+            return None
+        return VectorCodes(self.book.spec, tuple(
+            p.narrow(-1, 0, coded // BLOCK * ib) for p, ib in zip(self.payload, self._index_bytes())),
+            coded)
 
     def _sink_index(self, like: torch.Tensor) -> torch.Tensor:
         """Where each row's sink sits, as an index into ``like``'s token axis."""
@@ -62,41 +91,64 @@ class VectorStore:
             raise ValueError("sinks are placed before the cache holds tokens")
         self.sink_at = positions.long()
 
-    def tokens(self, window: torch.Tensor) -> int:
-        return self.coded + (window.shape[-2] if window.dim() == 4 else 0)
+    def window_tokens(self, window: torch.Tensor) -> torch.Tensor:
+        """The tokens of the window, without spare rows."""
+        return window if self.payload is None else window.narrow(2, 0, window.shape[-2] - SPARE_ROWS)
 
-    @torch.compiler.disable
+    def tokens(self, window: torch.Tensor) -> int:
+        if self.payload is None:
+            return window.shape[-2] if window.dim() == 4 else 0
+        return self.coded + window.shape[-2] - SPARE_ROWS
+
     def append(self, window: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        """``new`` latents ``(b, 1, n, r)`` after ``window``'s, the whole blocks coded; the
-        window left (fewer than ``BLOCK`` tokens)."""
-        if window.dim() != 4:  # the layer's first update: an empty window
-            window = new[:, :, :0]
+        """``new`` latents ``(b, 1, n, r)`` after the side's, the whole blocks its window then
+        starts with coded. Returns the window."""
+        if self.payload is None:  # the first tokens: spare slots only
             self.book = self.book.to(new.device)
-        if not self.started:  # the first tokens: each row's sink among them
+            self.payload = tuple(new.new_zeros(new.shape[0], subs, SPARE_BLOCKS * ib,
+                                               dtype=torch.uint8)
+                                 for _, subs, _, ib in self.book.spec.layout())
+            window = with_spare_rows(new[:, :, :0])
+        if not self.started:  # each row's sink among the first tokens
             self.started = True
             self.sink = new.gather(2, self._sink_index(new).clamp_max(new.shape[2] - 1)).clone()
-        window = torch.cat([window, new], dim=-2)
-        whole = window.shape[-2] // BLOCK * BLOCK
-        if whole:
-            self._extend(encode(window[:, 0, :whole].float(), self.book))
-        return window[:, :, whole:]
+        held, incoming = window.shape[-2] - SPARE_ROWS, new.shape[-2]
+        tokens = held + incoming
+        # as IntegerStore.append: the new tokens over the spare rows, and one row more
+        grown = torch.cat([window, new.new_zeros(*new.shape[:-2], incoming + 1, new.shape[-1])],
+                          dim=-2).slice_scatter(new, dim=2, start=held, end=tokens)
+        whole = tokens // BLOCK * BLOCK
+        if not torch.compiler.is_compiling() and whole == 0:  # eager: no block filled
+            return grown.narrow(2, 0, tokens + SPARE_ROWS)
+        # code as many blocks as can have filled and one more (a static shape; rows past the
+        # tokens are padding), keep `whole` tokens of them and the spare slots
+        rows = (BLOCK - 1 + incoming) // BLOCK * BLOCK + BLOCK
+        staged = torch.cat([grown, grown.new_zeros(*new.shape[:-2], rows, new.shape[-1])],
+                           dim=-2).narrow(2, 0, rows)
+        fresh = encode(staged[:, 0].float(), self.book).payload
+        blocks = self.coded // BLOCK
+        self.payload = tuple(splice(old, new_codes, -1, blocks * ib,
+                                    (blocks + whole // BLOCK + SPARE_BLOCKS) * ib)
+                             for old, new_codes, ib in zip(self.payload, fresh,
+                                                           self._index_bytes()))
+        return grown.narrow(2, whole, tokens + SPARE_ROWS - whole).clone()
 
-    def _extend(self, fresh: VectorCodes) -> None:
-        if self.codes is None:
-            self.codes = fresh
-            return
-        payload = tuple(torch.cat([a, b], dim=-1) for a, b in zip(self.codes.payload, fresh.payload))
-        self.codes = VectorCodes(self.codes.spec, payload, self.codes.tokens + fresh.tokens)
-
-    @torch.compiler.disable
     def read(self, window: torch.Tensor) -> torch.Tensor:
-        """Every token's latent ``(b, 1, n, r)``: decoded codes, then the window; each row's
-        sink as it came."""
-        if self.codes is None:
+        """Every token's latent ``(b, 1, n, r)``: decoded codes, then the window's tokens;
+        each row's sink as it came."""
+        if self.payload is None:
             tokens = window
         else:
-            decoded = decode(self.codes, self.book)[:, None].to(window.dtype)
-            tokens = torch.cat([decoded, window], dim=-2)
+            slots = VectorCodes(self.book.spec, self.payload,
+                                self.coded + SPARE_BLOCKS * BLOCK)  # every slot, never empty
+            decoded = decode(slots, self.book)[:, None].to(window.dtype)
+            both = torch.cat([decoded, window], dim=-2)
+            # the coded tokens, then the window's (past the spare slots): a gather, so no
+            # tensor has the coded tokens' length alone (0 until a block fills)
+            at = torch.arange(self.tokens(window), device=window.device)
+            coded = self.coded
+            tokens = both.index_select(2, torch.where(at < coded, at,
+                                                      at - coded + decoded.shape[-2]))
         if self.sink is None:
             return tokens
         return tokens.scatter(2, self._sink_index(tokens), self.sink.to(tokens.dtype))
@@ -110,31 +162,32 @@ class VectorStore:
                                                     and int(self.sink_at.max()) >= keep)):
             self.sink = None
         self.started = keep > 0
+        if self.payload is None:
+            return window[:, :, :keep]
         if keep >= coded:
-            return window[:, :, :keep - coded]
+            return with_spare_rows(window[:, :, :keep - coded])
         blocks = keep // BLOCK
         tail = decode(self.codes, self.book)[:, None, blocks * BLOCK:keep].to(window.dtype)
-        if blocks == 0:
-            self.codes = None
-        else:
-            self.codes = VectorCodes(self.codes.spec, tuple(
-                p[..., :blocks * p.shape[-1] // (coded // BLOCK)].clone()
-                for p in self.codes.payload), blocks * BLOCK)
-        return tail
+        self.payload = tuple(p[..., :(blocks + SPARE_BLOCKS) * ib].clone()
+                             for p, ib in zip(self.payload, self._index_bytes()))
+        return with_spare_rows(tail)
 
     def map_batch(self, fn) -> None:
         for name in ("sink", "sink_at"):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
-        if self.codes is not None:
-            self.codes = VectorCodes(self.codes.spec, tuple(fn(p) for p in self.codes.payload),
-                                     self.codes.tokens)
+        if self.payload is not None:
+            self.payload = tuple(fn(p) for p in self.payload)
 
     def token_axes(self, window: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-        return []  # coded and decoded outside the graph; its window is under a block long
+        """The window's and the codes' tensors, each with its axis that grows with tokens."""
+        if self.payload is None:
+            return []
+        return [(window, 2)] + [(p, 2) for p in self.payload]
 
     def tensors(self, window: torch.Tensor) -> list[torch.Tensor]:
-        """The window, the sink and the packed indices (the book is the model's, like its
-        weights: ``VectorBook.nbytes``)."""
-        out = [window] + ([] if self.sink is None else [self.sink])
-        return out + ([] if self.codes is None else list(self.codes.payload))
+        """The window's tokens, the sink and the packed indices of the coded tokens (the book
+        is the model's, like its weights: ``VectorBook.nbytes``)."""
+        out = [self.window_tokens(window)] + ([] if self.sink is None else [self.sink])
+        codes = self.codes
+        return out + ([] if codes is None else list(codes.payload))

@@ -1,0 +1,96 @@
+"""The static store of a latent side stored as product vector codes: the static counterpart
+of ``stores.vector.VectorStore``, for ``generate`` with ``cache_implementation="static"`` and
+``latent_cache(model, max_cache_len)``.
+
+Every buffer is allocated once and written in place at positions computed from the tensor
+``cumulative_length``, so ``write`` holds no branch on data and a compiled decode step traces
+once for every position:
+
+- **codes**: per run, ``(b, S, blocks, index bytes)`` uint8 with ``blocks = ceil(max_cache_len
+  / BLOCK) + 1`` (one spare: a write stages one block past the last it reaches);
+- a **sink** ``(b, 1, 1, r)``: each row's first token's latent as it came (``place_sinks``),
+  written by whichever write covers its position, read instead of its code.
+
+A token's index depends on that token alone, so a write of ``t`` tokens needs no window of
+full-precision tokens: it reads the ``ceil(t / BLOCK) + 1`` blocks from the one ``start``
+falls in, unpacks their indices, writes the new tokens' over them and packs them back. Every
+token is read from its code from the step it is written (the dynamic store reads the tokens
+of the block not yet full from its window, in full precision): the two agree on whole blocks.
+
+What attention reads is all ``max_cache_len`` positions decoded, each row's sink written over
+its position (positions past the cache's length are masked). Bytes: the codes of
+``max_cache_len`` tokens in whole blocks, the spare block and the sink.
+"""
+from __future__ import annotations
+
+import torch
+
+from lorc_fx.codes.integer import pack_bits, unpack_bits
+from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode, indices
+
+from .full import buffer
+
+
+class VectorStaticStore:
+    """A side stored as vector codes over all ``max_cache_len`` tokens, and each row's sink
+    (the module docstring)."""
+
+    def __init__(self, book: VectorBook):
+        self.book = book
+        self.payload: tuple[torch.Tensor, ...] = ()  # per run (b, S, blocks, index bytes)
+        self.sink: torch.Tensor | None = None
+        self.sink_at: torch.Tensor | None = None  # (b,); None: position 0
+        self.max_cache_len = 0
+
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Each row's sink at ``positions`` ``(b,)`` instead of position 0; before the first
+        write. Beams reorder rows within one prompt's beams, which share it."""
+        self.sink_at = positions.long()
+
+    def allocate(self, states: torch.Tensor, basis: torch.Tensor | None,
+                 max_cache_len: int, ring: bool = False) -> torch.Tensor:
+        """Zeroed codes and sink for ``max_cache_len`` tokens; returns the window (no rows:
+        nothing is kept in full precision but the sink)."""
+        if ring or basis is None:
+            raise ValueError("vector codes are stored for latents of full-attention layers only")
+        self.max_cache_len, self.book = max_cache_len, self.book.to(states.device)
+        window = buffer(states, basis, 0)
+        b = window.shape[0]
+        blocks = -(-max_cache_len // BLOCK) + 1
+        self.payload = tuple(states.new_zeros(b, subs, blocks, ib, dtype=torch.uint8)
+                             for _, subs, _, ib in self.book.spec.layout())
+        self.sink = buffer(states, basis, 1)
+        self.sink_at = (states.new_zeros(b, dtype=torch.long) if self.sink_at is None
+                        else self.sink_at.to(states.device))
+        return window
+
+    def write(self, window: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
+              start: torch.Tensor) -> None:
+        """Write latents ``states (b, 1, t, r)`` at ``positions`` (from token ``start``, a 0-d
+        tensor), in place."""
+        b, _, t, r = states.shape
+        staged = (t + BLOCK - 1) // BLOCK + 1  # blocks a write from any offset reaches
+        block = start // BLOCK + torch.arange(staged, device=states.device)
+        at = start % BLOCK + torch.arange(t, device=states.device)
+        fresh = indices(states[:, 0].float(), self.book)
+        for (*_, ib), codes, new in zip(self.book.spec.layout(), self.payload, fresh):
+            held = unpack_bits(codes.index_select(2, block), ib).flatten(-2).long()
+            held = held.index_copy(2, at, new)  # (b, S, staged·BLOCK)
+            codes.index_copy_(2, block, pack_bits(held.unflatten(-1, (staged, BLOCK)), ib))
+        # the sink, where this write covers it (a where, not a branch)
+        local = (self.sink_at - start).clamp(0, t - 1).view(b, 1, 1, 1).expand(b, 1, 1, r)
+        covered = ((self.sink_at >= start) & (self.sink_at < start + t)).view(b, 1, 1, 1)
+        self.sink.copy_(torch.where(covered, states.gather(2, local), self.sink))
+
+    def read(self, window: torch.Tensor) -> torch.Tensor:
+        """Every allocated position decoded ``(b, 1, max_cache_len, r)``, each row's sink as
+        it came."""
+        codes = VectorCodes(self.book.spec, tuple(p.flatten(-2) for p in self.payload),
+                            self.max_cache_len)
+        latents = decode(codes, self.book)[:, None].to(self.sink.dtype)
+        b, _, _, r = latents.shape
+        return latents.scatter(2, self.sink_at.view(b, 1, 1, 1).expand(b, 1, 1, r), self.sink)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Packed codes and the sink (the window is the layer's)."""
+        return [*self.payload] + ([] if self.sink is None else [self.sink])
