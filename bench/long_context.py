@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 python bench/long_context.py [--contexts 1024,2048,4096,8192]
         [--batches 1,8] [--new-tokens 64] [--fraction 0.5]
-        [--rope auto|commute|reconstruct[:BITS][,..]] [--baselines full,full-gqa]
+        [--rope auto|commute|reconstruct[:BITS][,..]] [--plans PLAN.safetensors[,..]]
+        [--baselines full,full-gqa]
         [--cache static|dynamic] [--out bench/results/long_context-cpu]
 
 Public API only (``lorc_fx.load_model/load_tokenizer/load_text/compress/lorc_backend``,
@@ -239,12 +240,16 @@ def worker(args) -> dict:
         model.compile()  # default Inductor, full cache
     else:
         rope, _, bits = args.variant.partition(":")  # "auto", or "auto:16" (latent_bits=16)
-        report = lorc_fx.compress(model, cache_fraction=args.fraction, rope=rope,
-                                  latent_bits=int(bits) if bits else "auto")
+        if rope == "plan":  # "plan:PATH": a saved plan (e.g. a low-bit one), no search
+            report = lorc_fx.compress(model, plan=bits)
+        else:
+            report = lorc_fx.compress(model, cache_fraction=args.fraction, rope=rope,
+                                      latent_bits=int(bits) if bits else "auto")
         full_bpt, kept_bpt = report.cache_bytes_per_token()
         plan = report.plan
         record.update(fraction=args.fraction, rope=plan.options.rope, kind=plan.scheme.name,
                       latent_bits=plan.options.latent_bits,
+                      plan_bits_per_value=plan.bits_per_value,
                       plan_cache_fraction=report.plan.cache_fraction,
                       plan_bytes_per_token={"full": full_bpt, "compressed": kept_bpt})
         model.compile(backend=lorc_fx.lorc_backend)
@@ -513,6 +518,9 @@ def main() -> None:
     parser.add_argument("--rope", default="auto",
                         help="auto|commute|reconstruct, each with :BITS to fix latent_bits (default "
                              "auto: the planner's choice), or a comma list (e.g. auto,auto:16)")
+    parser.add_argument("--plans", default="",
+                        help="saved plan files (comma list, e.g. a low-bit plan's report.save), "
+                             "each a variant 'plan:PATH' run as compress(model, plan=PATH)")
     parser.add_argument("--no-full", action="store_true", help="skip the full-cache baselines")
     parser.add_argument("--baselines", default=",".join(BASELINES),
                         help="full-cache baselines to run (docstring): full, full-gqa or both")
@@ -540,7 +548,9 @@ def main() -> None:
     json_path = out.with_suffix(".json")
     previous = json.loads(json_path.read_text())["results"] if json_path.exists() else []
     results = {_key(r): r for r in previous}
-    variants = ([] if args.no_full else args.baselines.split(",")) + args.rope.split(",")
+    variants = ([] if args.no_full else args.baselines.split(",")) + [
+        r for r in args.rope.split(",") if r]
+    variants += [f"plan:{path}" for path in args.plans.split(",") if path]
     for batch in (int(b) for b in args.batches.split(",")):
         # a context past the model's positions runs (and is keyed) as the longest prompt it takes
         for context in dict.fromkeys(min(int(c), MAX_POSITIONS - args.new_tokens)

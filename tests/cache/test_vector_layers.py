@@ -127,6 +127,49 @@ def test_a_static_store_holds_the_codes_of_one_encode_and_the_sink_as_it_came():
     torch.testing.assert_close(read, expected)
 
 
+@pytest.mark.inductor
+def test_inductor_codes_and_reads_as_eager():
+    """The stores' steps lowered by Inductor (C++ on CPU: nearest codewords, bit packing,
+    the splice and the gathers) code and read what eager stores do, step by step: a dynamic
+    store's 20 one-token appends after a 13-token prompt, in one graph for every step, and a
+    static store's writes."""
+    book = _book(VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8))
+    latents = torch.randn(2, 1, 33, book.spec.width, generator=torch.Generator().manual_seed(2))
+
+    def append(store, window, new):
+        window = store.append(window, new)
+        return window, store.read(window)
+
+    def write(store, window, new, start):
+        positions = torch.arange(new.shape[-2]) + start
+        store.write(window, new, positions, start)
+        return store.read(window)
+
+    torch._dynamo.reset()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled_append, compiled_write = torch.compile(append), torch.compile(write)
+    eager, lowered = VectorStore(book), VectorStore(book)
+    ours, theirs = eager.append(torch.tensor([]), latents[:, :, :13]), None
+    theirs = lowered.append(torch.tensor([]), latents[:, :, :13])
+    for t in range(13, 33):
+        ours, expected = append(eager, ours, latents[:, :, t:t + 1])
+        for tensor, dim in lowered.token_axes(theirs):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        theirs, got = compiled_append(lowered, theirs, latents[:, :, t:t + 1])
+        torch.testing.assert_close(got, expected)
+    assert lowered.coded == eager.coded == 32  # the spare slots' bytes may differ
+    assert all(torch.equal(a, b) for a, b in zip(lowered.codes.payload, eager.codes.payload))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
+    static_eager, static_lowered = VectorStaticStore(book), VectorStaticStore(book)
+    windows = [s.allocate(latents, torch.eye(book.spec.width), 40)
+               for s in (static_eager, static_lowered)]
+    for start, t in ((0, 13), (13, 1), (14, 1), (15, 5)):
+        new, at = latents[:, :, start:start + t], torch.tensor(start)
+        torch.testing.assert_close(compiled_write(static_lowered, windows[1], new, at),
+                                   write(static_eager, windows[0], new, at))
+    assert all(torch.equal(a, b) for a, b in zip(static_lowered.payload, static_eager.payload))
+
+
 def _book(spec: VectorSpec) -> VectorBook:
     gen = torch.Generator().manual_seed(0)
     tables = []
