@@ -234,13 +234,14 @@ def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
     return out
 
 
-def save_atomic(obj, path: Path) -> None:
-    """Write to a temporary file and rename, so an interrupted run leaves no partial cache."""
+def save_atomic(obj, path: Path, write=torch.save) -> None:
+    """``write(obj, file)`` to a temporary file and rename, so an interrupted run leaves no
+    partial cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        torch.save(obj, tmp)
+        write(obj, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

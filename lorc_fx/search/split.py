@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.allocation import feasible_key_fractions
 from lorc_fx.plan.calibration import (calibration_tokenizer, calibration_windows,
-                                      model_fingerprint, sampling_key)
+                                      model_fingerprint, sampling_key, save_atomic)
 from lorc_fx.plan.options import DEFAULT_FRACTION, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers, process_plan
 from lorc_fx.search.windows import through_cache
@@ -137,8 +138,7 @@ def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[
     best = min(range(lo, hi + 1), key=loss)
     bar.total = bar.n  # the estimate may be off by one
     bar.close()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key_fraction": grid[best], "loss": losses[best],
-                                "losses": {f"{grid[i]:.4f}": v for i, v in sorted(losses.items())}},
-                               indent=1))
+    save_atomic({"key_fraction": grid[best], "loss": losses[best],
+                 "losses": {f"{grid[i]:.4f}": v for i, v in sorted(losses.items())}},
+                path, lambda data, file: Path(file).write_text(json.dumps(data, indent=1)))
     return grid[best], losses[best]
