@@ -76,6 +76,15 @@ class Vector(Scheme):
         o = plan.options
         return f"vector codes; basis={o.basis}, rope={o.rope}"
 
+    def limits(self) -> str:
+        """Compiling is slow: each side's runs of widths code and decode apart, so a decode
+        graph holds hundreds of them (measured in issue #37, docs/schemes/vector.md)."""
+        return ("torch.compile traces coding and decoding into the decode graph, which Inductor "
+                "compiles slowly (the default model's 2.56-bit plan: not done after 14 minutes "
+                "with a static cache, 22 with a dynamic one, on one CPU thread); eager decode, or "
+                "lorc_backend.with_options(inductor=False) (the passes without Inductor), "
+                "avoids that wait")
+
     def summary(self, plan: Plan) -> str:
         channels, _ = _channels_per_width(plan)
         full, _ = plan.cache_elements_per_token()

@@ -226,7 +226,7 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
 
     with caplog.at_level("WARNING", logger="lorc_fx.cache.install"):
         compress(model, plan=plan)
-    assert "vector codes" not in caplog.text  # nothing left eager, no cache refused
+    assert "Inductor compiles slowly" in caplog.text and "refused" not in caplog.text
     ids, mask = prompt(length=6)
     eager = generate(model, ids, mask, cache, new_tokens=30)
     graphs = []
