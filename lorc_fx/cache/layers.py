@@ -113,7 +113,18 @@ class _FixedAddresses:
                                   "buffers keep fixed addresses")
 
 
-class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
+class _SinksPlaced:
+    """Policy of a layer holding a store per side: where each row's first token sits is
+    handed to both stores (what a store that keeps sinks keeps as it came)."""
+
+    def place_sinks(self, positions: torch.Tensor) -> None:
+        """Where each row's first token sits ``(b,)`` (after its left padding), before the
+        first update."""
+        self.k_store.place_sinks(positions)
+        self.v_store.place_sinks(positions)
+
+
+class LatentDynamicLayer(_SinksPlaced, _RotaryLogOwner, DynamicLayer):
     """A growing cache of one layer: each side's window in ``keys`` / ``values`` (latents
     ``(b, 1, n, r)``: the head axis keeps the seq axis at -2, so masks and
     ``get_seq_length`` work as for full keys), the rest in the store of its code
@@ -173,12 +184,6 @@ class LatentDynamicLayer(_RotaryLogOwner, DynamicLayer):
         if not self.is_initialized:
             return []
         return [*self.k_store.tensors(self.keys), *self.v_store.tensors(self.values)]
-
-    def place_sinks(self, positions: torch.Tensor) -> None:
-        """Where each row's first token sits ``(b,)`` (after its left padding), before the
-        first update: what a store that keeps sinks keeps as it came."""
-        self.k_store.place_sinks(positions)
-        self.v_store.place_sinks(positions)
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -315,7 +320,7 @@ class LatentSlidingLayer(LatentDynamicLayer, DynamicSlidingWindowLayer):
         self.cumulative_length -= -tokens_to_remove
 
 
-class LatentStaticLayer(_FixedAddresses, _RotaryLogOwner, StaticLayer):
+class LatentStaticLayer(_SinksPlaced, _FixedAddresses, _RotaryLogOwner, StaticLayer):
     """A preallocated cache of one layer for ``max_cache_len`` tokens: each side's window
     (the whole buffer of an uncoded side) in ``keys`` / ``values``, its codes in the store of
     its code, written in place at the cache positions (``cumulative_length`` on), so a
@@ -366,11 +371,6 @@ class LatentStaticLayer(_FixedAddresses, _RotaryLogOwner, StaticLayer):
         self.v_store.write(self.values, v, positions, self.cumulative_length)
         self.cumulative_length.add_(tokens)
         return self.bases.expand(*self.latents())
-
-    def place_sinks(self, positions: torch.Tensor) -> None:
-        """Where each row's first token sits ``(b,)``, before the first update."""
-        self.k_store.place_sinks(positions)
-        self.v_store.place_sinks(positions)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -473,11 +473,6 @@ class LatentStaticSlidingLayer(_FixedAddresses, StaticSlidingWindowLayer):
         self._write(k[..., skip:, :], v[..., skip:, :])
         old = self.bases.expand(*old)
         return (torch.cat([old[0], key_states], dim=-2), torch.cat([old[1], value_states], dim=-2))
-
-    def place_sinks(self, positions: torch.Tensor) -> None:
-        """Where each row's first token sits ``(b,)``, before the first update."""
-        self.k_store.place_sinks(positions)
-        self.v_store.place_sinks(positions)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
