@@ -46,6 +46,7 @@ import os
 import platform
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: 2 threads cost ~8 ms a region here
@@ -246,8 +247,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sdpa_backend(device, shape, dtype) -> tuple[str, object]:
-    """The flash SDPA backend on a GPU where it takes a decode call of this layer (a context
-    manager to run SDPA in), else torch's own choice (``None``)."""
+    """The flash SDPA backend on a GPU where it takes a decode call of this layer (a function
+    making the context manager to run SDPA in: each ``sdpa_kernel(...)`` enters once), else
+    torch's own choice (``None``)."""
     if device.type != "cuda":
         return "default (CPU)", None
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -260,7 +262,7 @@ def sdpa_backend(device, shape, dtype) -> tuple[str, object]:
             F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
     except RuntimeError as error:
         return f"default (flash refused: {str(error).splitlines()[0][:100]})", None
-    return "flash", sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return "flash", partial(sdpa_kernel, SDPBackend.FLASH_ATTENTION)
 
 
 def measure(layer: Layer, schemes, timer, copy_gbs: float, values: int, sdpa_context) -> dict:
@@ -289,9 +291,9 @@ def measure(layer: Layer, schemes, timer, copy_gbs: float, values: int, sdpa_con
 
 
 def in_context(fn, context):
-    """``fn`` run inside ``context`` (a reusable context manager) at every call."""
+    """``fn`` run inside a fresh ``context()`` at every call."""
     def run():
-        with context:
+        with context():
             return fn()
     return run
 

@@ -92,11 +92,11 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
         pre_rope = (block.rope_k.style != "none" and options.rope == "reconstruct"
                     and not behind_norm)
         if pre_rope:
-            w_k = block.k.weight_tensor(params).detach()
+            w_k = block.k.weight_tensor(params).detach().cpu()
             keys = attention_pre_rope_key_spectrum(s.attention, w_k, s.input_gram, *shape)
         else:
             keys = attention_key_spectrum(s.attention, *shape)
-        w_v = block.v.weight_tensor(params).detach().to(torch.float64)
+        w_v = block.v.weight_tensor(params).detach().cpu().to(torch.float64)
         out[block.layer] = LayerMetric(
             input_gram=s.input_gram, k_spectrum=keys,
             v_spectrum=attention_value_spectrum(s.attention, block.head_dim,

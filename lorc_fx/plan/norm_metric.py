@@ -54,10 +54,10 @@ def norm_grams(model: nn.Module, blocks: list[AttentionBlock]) -> dict[int, torc
             gamma, beta = _scale_of(proj.input, call.param_names, width)
             if gamma is None:
                 continue
-            g = params[gamma].detach().to(torch.float64)
+            g = params[gamma].detach().cpu().to(torch.float64)
             gram = torch.diag(g.square())
             if beta is not None:
-                b = params[beta].detach().to(torch.float64)
+                b = params[beta].detach().cpu().to(torch.float64)
                 gram = gram + torch.outer(b, b)
             found[wanted[proj.weight]] = gram
     return found

@@ -170,7 +170,7 @@ def _checked_weight(block: AttentionBlock, role: str, params: dict[str, torch.Te
     if weight.device.type == "meta":
         raise ValueError(f"layer {block.layer}: {role.upper()} projection weight "
                          f"{projection.weight!r} is on the meta device; load the weights first")
-    return weight
+    return weight.cpu()  # the plan's linear algebra runs on the CPU, beside the calibration's
 
 
 def _shard_count(block: AttentionBlock, shards: int) -> int:
