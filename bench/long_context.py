@@ -198,7 +198,7 @@ def _generate(model, ids, new_tokens: int, stamp, cache: str = "static"):
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False,
-                             **({"cache_implementation": "static"} if cache == "static" else {}),
+                             cache_implementation=None if cache == "none" else cache,
                              logits_processor=LogitsProcessorList([stamp]),
                              return_dict_in_generate=True)
     return out, start
@@ -527,8 +527,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=8,
                         help="decode steps discarded (decode-graph compile)")
     parser.add_argument("--profile-steps", type=int, default=4)
-    parser.add_argument("--cache", choices=("static", "dynamic"), default="static",
-                        help="generate's cache for every variant (dynamic: its default)")
+    parser.add_argument("--cache", choices=("static", "dynamic", "none"), default="static",
+                        help="generate's cache for every variant; none: generate chooses (dynamic "
+                             "for the full model, static for a compressed one compiled in place)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "long_context-cpu"),
                         help="writes OUT.json, OUT.png, OUT.md; merges with an existing OUT.json")
     parser.add_argument("--machine", default=f"{os.cpu_count()} cores, OMP_NUM_THREADS="

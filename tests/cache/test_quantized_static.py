@@ -403,3 +403,31 @@ def test_inductor_decode_matches_eager():
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(eager.logits),
                                atol=1e-4, rtol=1e-4)
     assert torch.equal(got.sequences, eager.sequences)
+
+
+def test_a_model_compiled_in_place_gets_a_static_cache_where_none_is_chosen(caplog):
+    """README's path (``model.compile``, then ``generate`` choosing no cache) builds a static
+    latent cache, said once, and gives eager static's tokens; ``cache_implementation=
+    'dynamic'``, or an eager model, keeps the dynamic cache."""
+    model = build(config_for("llama", layers=1))
+    compress(model, 1.0, schedule="uniform", basis="weight", rope="commute", latent_bits=8,
+             latent_group=4)
+    ids, mask = prompt()
+    eager = generate(model, ids, mask, "static", new_tokens=6)
+    layer_of = lambda out: type(out.past_key_values.layers[0]).__name__  # noqa: E731
+    assert layer_of(generate(model, ids, mask)) == "LatentDynamicLayer"
+    torch._dynamo.reset()
+    model.compile(backend=lorc_backend.with_options(inductor=False))
+    try:
+        with caplog.at_level("WARNING", logger="lorc_fx.cache.install"):
+            got = [generate(model, ids, mask, new_tokens=6) for _ in range(2)]
+        dynamic = generate(model, ids, mask, "dynamic")
+    finally:
+        model._compiled_call_impl = None
+        torch._dynamo.reset()
+    assert [layer_of(g) for g in got] == ["LatentStaticLayer"] * 2
+    assert all(torch.equal(g.sequences, eager.sequences) for g in got)
+    said = [r.getMessage() for r in caplog.records if "static latent cache" in r.getMessage()]
+    assert len(said) == 1 and "cache_implementation='dynamic'" in said[0]
+    assert layer_of(dynamic) == "LatentDynamicLayer"
+    assert model.generation_config.cache_implementation is None

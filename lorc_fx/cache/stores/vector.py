@@ -32,8 +32,8 @@ token in a padded row): the store never reads the attention mask itself.
 ``cut`` keeps the whole blocks before the cut as they are and moves the kept tokens of the
 cut block back into the window, decoded (they are coded again, from their reconstructions,
 when the block fills). Beam reordering and batch repeat/select index codes, sinks and windows
-along batch. There is no static store of vector codes: a ``StaticCache`` of a vector plan is
-refused where the cache is built (``stores.static_store``).
+along batch. A ``StaticCache`` of a vector plan holds
+:class:`~lorc_fx.cache.stores.vector_static.VectorStaticStore` sides instead.
 """
 from __future__ import annotations
 
