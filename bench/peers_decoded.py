@@ -1,0 +1,153 @@
+"""LoRC's plans against transformers' ``QuantizedCache`` (quanto), scored as ``generate``
+reads the cache (issue #37: every published quality figure is decode-time).
+
+    OMP_NUM_THREADS=1 python bench/peers_decoded.py [--texts news,poems] [--windows 4]
+        [--budgets 8.5,4.5] [--quanto 4,2] [--stem peers_decoded-cpu]
+
+Each window of 512 evaluation tokens (``evaluation_windows``: the text's evaluation part, never
+calibration's; ``poems`` is the held-out genre) is fed as ``generate`` feeds it: its first
+256 tokens in one forward, then one token a step (``evaluate.decoded_logits``). Scored: the
+perplexity of the 256 tokens after the prompt (the first predicted by the prompt's forward,
+the others by one-token steps reading the cache), against the full cache's over the same
+tokens, with the mean KL divergence from the full model and the share of equal argmaxes.
+
+- **LoRC**: ``lorc_fx.compress(model, bits_per_value=B)`` at default options, the plan's own
+  latent cache.
+- **quanto**: ``QuantizedCache(backend="quanto", nbits=N)`` with transformers' defaults
+  (groups of 64 along each channel, the last 128 tokens or fewer in full precision, the whole
+  cache re-quantized each time that residual fills).
+
+Bits per value, measured on each cache after every decode step and averaged, every float
+counted at 16 bits:
+LoRC's from its tensors (``LatentCache.bits_per_value``); quanto's from the packed data, scale
+and shift tensors of its quantized keys and values plus its full-precision residual, over the
+values of a 16-bit cache of the same tokens (its residual fills and empties as it decodes).
+
+Writes ``bench/results/STEM.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from transformers.cache_utils import DynamicCache, QuantizedCache  # noqa: E402
+
+import lorc_fx  # noqa: E402
+from lorc_fx.data.texts import load_text  # noqa: E402
+from lorc_fx.eval.evaluate import evaluation_windows, next_token_kl  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+WINDOW, PROMPT = 512, 256
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor or of a tensor subclass's inner tensors (quanto's packed codes)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def quanto_bits(cache: QuantizedCache) -> float:
+    """16 × bytes held (residual floats at 16 bits) / bytes of a 16-bit cache of its tokens."""
+    held = values = 0
+    for layer in cache.layers:
+        for coded, residual in ((layer._quantized_keys, layer.keys),
+                                (layer._quantized_values, layer.values)):
+            held += tensor_bytes(coded) + 2 * residual.numel()
+            values += coded.numel() + residual.numel()
+    return 16 * held / (2 * values)
+
+
+def decoded(model, window: torch.Tensor, cache, bits_of, bits: list) -> torch.Tensor:
+    """``evaluate.decoded_logits``, with the cache's bits per value after every decode step
+    appended to ``bits`` (a residual that fills and empties is counted as it stands then)."""
+    out = [model(window[:, :PROMPT], past_key_values=cache, use_cache=True).logits]
+    for t in range(PROMPT, window.shape[1]):
+        out.append(model(window[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        bits.append(bits_of(cache))
+    return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+def score(model, windows: torch.Tensor, make_cache, bits_of) -> dict:
+    """Decoded perplexity, KL and top-1 agreement against the full model, and the bits per
+    value held, averaged over the decode steps."""
+    nll = kl = same = count = 0.0
+    bits = []
+    for window in windows.split(1):
+        full = model(window, use_cache=False).logits[:, PROMPT - 1:-1].float()
+        logits = decoded(model, window, make_cache(), bits_of, bits)[:, PROMPT - 1:-1].float()
+        target = window[:, PROMPT:]
+        nll += float(torch.nn.functional.cross_entropy(logits[0], target[0], reduction="sum"))
+        kl += float(next_token_kl(full[0], logits[0]).sum())
+        same += int((full.argmax(-1) == logits.argmax(-1)).sum())
+        count += target.numel()
+    return dict(ppl=math.exp(nll / count), kl=kl / count, top1=same / count,
+                bits_per_value=sum(bits) / len(bits) if bits[0] is not None else None)
+
+
+def write(doc: dict, stem: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = ["# Decode-time quality: LoRC against transformers' QuantizedCache (quanto)", "",
+             f"`python bench/peers_decoded.py` ({doc['machine']}). Each window: "
+             f"{PROMPT} tokens as a prompt, then one token a step; the {WINDOW - PROMPT} "
+             "tokens after the prompt scored; ratio = perplexity ÷ the full cache's on the same tokens. "
+             "Method and bit counting: the script's docstring.", "",
+             "| text | windows | cache | bits/value (measured) | ppl | ratio | KL (nats) | top-1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for text, rows in doc["texts"].items():
+        full = rows["full"]["ppl"]
+        for name, r in rows.items():
+            bits = "16 (float32 held)" if name == "full" else f"{r['bits_per_value']:.2f}"
+            lines.append(f"| {text} | {doc['windows']} | {name} | {bits} | {r['ppl']:.3f} | "
+                         f"×{r['ppl'] / full:.4f} | {r['kl']:.5f} | {r['top1']:.3f} |")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--texts", default="news,poems")
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--budgets", default="8.5,4.5", help="LoRC bits per value")
+    parser.add_argument("--quanto", default="4,2", help="QuantizedCache nbits")
+    parser.add_argument("--stem", default="peers_decoded-cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    model, tokenizer = lorc_fx.load_model("default"), lorc_fx.load_tokenizer("default")
+    config = model.config.get_text_config(decoder=True)
+    doc = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS="
+               f"{os.environ['OMP_NUM_THREADS']}, torch {torch.__version__}",
+               windows=args.windows, texts={})
+    plans = {}
+    for budget in map(float, args.budgets.split(",")):
+        fresh = lorc_fx.load_model("default")
+        report = lorc_fx.compress(fresh, bits_per_value=budget)
+        plans[f"LoRC {budget:g} ({report.plan.scheme.title})"] = fresh
+    for text in args.texts.split(","):
+        windows = evaluation_windows(tokenizer, load_text(text), args.windows * WINDOW, WINDOW)
+        rows = doc["texts"][text] = {}
+        rows["full"] = score(model, windows, lambda: DynamicCache(config=config),
+                             lambda cache: None)
+        for name, compressed in plans.items():
+            rows[name] = score(compressed, windows, lambda m=compressed: lorc_fx.latent_cache(m),
+                               lambda cache: cache.bits_per_value())
+            write(doc, args.stem)
+        for nbits in map(int, args.quanto.split(",")):
+            rows[f"quanto int{nbits}"] = score(
+                model, windows, lambda n=nbits: QuantizedCache("quanto", config, nbits=n),
+                quanto_bits)
+            write(doc, args.stem)
+        print(json.dumps(rows, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
