@@ -23,7 +23,7 @@ LoRC's from its tensors (``LatentCache.bits_per_value``); quanto's from the pack
 and shift tensors of its quantized keys and values plus its full-precision residual, over the
 values of a 16-bit cache of the same tokens (its residual fills and empties as it decodes).
 
-Writes ``bench/results/STEM.{json,md}``.
+Writes ``bench/results/STEM.{json,md}``, keeping the rows of texts it does not run.
 """
 from __future__ import annotations
 
@@ -127,6 +127,9 @@ def main() -> None:
     doc = dict(machine=f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS="
                f"{os.environ['OMP_NUM_THREADS']}, torch {torch.__version__}",
                windows=args.windows, texts={})
+    earlier = RESULTS / f"{args.stem}.json"
+    if earlier.exists():  # other texts' rows stay (one text at a time, e.g. after a fetch)
+        doc["texts"] = json.loads(earlier.read_text())["texts"]
     plans = {}
     for budget in map(float, args.budgets.split(",")):
         fresh = lorc_fx.load_model("default")
