@@ -53,12 +53,13 @@ GOAL = 0.30
 SHORT, LONG, NEW, EXACT_NEW, PAD = 16, 249, 8, 12, 3
 SIZES = {  # config field -> tiny value, set where the config class has the field
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "embedding_size": 64,
-    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4, "attention_heads": 4,
+    "decoder_attention_heads": 4,
     "num_attention_heads_per_layer": 4, "swa_num_attention_heads": 4,
     "num_key_value_heads": 2, "kv_n_heads": 2, "swa_num_key_value_heads": 2,
     "head_dim": 16, "kv_channels": 16, "attention_head_dim": 16, "swa_head_dim": 16,
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "ffn_hidden_size": 128,
-    "dim_ff": 128, "prefix_dense_intermediate_size": 128,
+    "dim_ff": 128, "decoder_ffn_dim": 128, "prefix_dense_intermediate_size": 128,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "shared_intermediate_size": 32,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
@@ -77,7 +78,7 @@ SIZES = {  # config field -> tiny value, set where the config class has the fiel
     "vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
 POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
-LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 FAMILY = {  # where the defaults break a constraint of the tiny sizes or drop the attention
     "mamba2": {"num_heads": 8},  # SSM heads × head dim = 2 × hidden
     "zaya": {"num_experts_per_tok": 1},
