@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicCache, QuantizedCache  # noqa: E402
 
 import lorc_fx  # noqa: E402
 from lorc_fx.data.texts import load_text  # noqa: E402
-from lorc_fx.eval.evaluate import evaluation_windows, next_token_kl  # noqa: E402
+from lorc_fx.eval.evaluate import decoded_logits, evaluation_windows, next_token_kl  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 WINDOW, PROMPT = 512, 256
@@ -66,16 +66,6 @@ def quanto_bits(cache: QuantizedCache) -> float:
     return 16 * held / (2 * values)
 
 
-def decoded(model, window: torch.Tensor, cache, bits_of, bits: list) -> torch.Tensor:
-    """``evaluate.decoded_logits``, with the cache's bits per value after every decode step
-    appended to ``bits`` (a residual that fills and empties is counted as it stands then)."""
-    out = [model(window[:, :PROMPT], past_key_values=cache, use_cache=True).logits]
-    for t in range(PROMPT, window.shape[1]):
-        out.append(model(window[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
-        bits.append(bits_of(cache))
-    return torch.cat(out, dim=1)
-
-
 @torch.no_grad()
 def score(model, windows: torch.Tensor, make_cache, bits_of) -> dict:
     """Decoded perplexity, KL and top-1 agreement against the full model, and the bits per
@@ -84,7 +74,10 @@ def score(model, windows: torch.Tensor, make_cache, bits_of) -> dict:
     bits = []
     for window in windows.split(1):
         full = model(window, use_cache=False).logits[:, PROMPT - 1:-1].float()
-        logits = decoded(model, window, make_cache(), bits_of, bits)[:, PROMPT - 1:-1].float()
+        cache = make_cache()  # its bits after every decode step: a residual that fills and
+        # empties is counted as it stands then
+        logits = decoded_logits(model, window, cache, PROMPT,
+                                lambda: bits.append(bits_of(cache)))[:, PROMPT - 1:-1].float()
         target = window[:, PROMPT:]
         nll += float(torch.nn.functional.cross_entropy(logits[0], target[0], reduction="sum"))
         kl += float(next_token_kl(full[0], logits[0]).sum())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -136,15 +137,18 @@ def next_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch
     return (ref.exp() * (ref - got)).sum(-1)
 
 
-def decoded_logits(model: nn.Module, ids: torch.Tensor, cache, prompt: int | None
-                   ) -> torch.Tensor:
+def decoded_logits(model: nn.Module, ids: torch.Tensor, cache, prompt: int | None,
+                   after_step: Callable[[], None] | None = None) -> torch.Tensor:
     """The logits of ``ids`` read through ``cache`` as ``generate`` reads it: the first
-    ``prompt`` tokens in one forward, then one token a step (``None``: all in one forward)."""
+    ``prompt`` tokens in one forward, then one token a step (``None``: all in one forward);
+    ``after_step`` is called after each one-token step (to read the cache as it stands)."""
     if prompt is None:
         return model(ids, past_key_values=cache, use_cache=True).logits
     out = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
     for t in range(prompt, ids.shape[1]):
         out.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+        if after_step is not None:
+            after_step()
     return torch.cat(out, dim=1)
 
 
