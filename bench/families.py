@@ -165,10 +165,12 @@ def generate(model, ids, mask=None, new=NEW):
 
 
 def kv_bytes(cache) -> int:
-    """Bytes of the keys and values a transformers cache holds; a latent cache's own count."""
+    """Bytes of the keys and values a transformers cache holds (and an indexer's keys, which
+    grow with them); a latent cache's own count."""
     if hasattr(cache, "cache_bytes"):
         return cache.cache_bytes()
-    pairs = ([(getattr(l, "keys", None), getattr(l, "values", None)) for l in cache.layers]
+    pairs = ([(getattr(l, "keys", None), getattr(l, "values", None),
+               getattr(l, "indexer_keys", None)) for l in cache.layers]
              if hasattr(cache, "layers") else
              list(zip(getattr(cache, "key_cache", []), getattr(cache, "value_cache", []))))
     return sum(t.numel() * t.element_size() for pair in pairs for t in pair

@@ -6,6 +6,7 @@ from dataclasses import replace
 from torch import nn
 
 from .attention_match import match_attention
+from .cache_probe import cached_layers
 from .capture import capture
 from .records import AttentionBlock, attention_path, named_params
 from .sharding import block_sharding
@@ -34,10 +35,14 @@ def cache_layers(model: nn.Module, blocks: list[AttentionBlock]) -> list[Attenti
     module above its projections that has one (transformers' attention modules pass it to
     ``Cache.update``). In a hybrid model (attention beside Mamba or convolution layers) the
     attention blocks are not the cache's first layers. Where a block has none, or two blocks
-    share one, they keep their execution order."""
+    share one (one attention module called at several layers, as Zamba's), the cache layers
+    that hold keys and values after one forward (``cache_probe``) number them in execution
+    order, if there are as many; else they keep their execution order."""
     found = [_layer_idx(model, b) for b in blocks]
     if None in found or len(set(found)) != len(found) or found != sorted(found):
-        return blocks
+        found = [c.layer for c in cached_layers(model)] if blocks else []
+        if len(found) != len(blocks):
+            return blocks
     return [replace(b, layer=i) for b, i in zip(blocks, found)]
 
 
@@ -48,7 +53,7 @@ def _layer_idx(model: nn.Module, block: AttentionBlock) -> int | None:
     while True:
         index = getattr(model.get_submodule(".".join(path)), "layer_idx", None)
         if isinstance(index, int):
-            return index
+            return index if index >= 0 else None  # Zamba2's shared block: -1
         if not path:
             return None
         path.pop()

@@ -2,10 +2,11 @@
 holding a store per side (``stores``: floats, integer codes, vector codes), the RoPE angle
 log, and installing a plan's cache into a model's ``generate``."""
 from .install import angles_handed, install, latent_cache
-from .latent_cache import LatentCache, codecs, layers_kept_as_built, sliding_windows
+from .latent_cache import (LatentCache, codecs, layers_kept_as_built, replaceable,
+                           sliding_windows)
 from .layers import (LatentCodec, LatentDynamicLayer, LatentSlidingLayer, LatentStaticLayer,
                      LatentStaticSlidingLayer)
 
 __all__ = ["LatentCache", "LatentCodec", "LatentDynamicLayer", "LatentSlidingLayer",
            "LatentStaticLayer", "LatentStaticSlidingLayer", "angles_handed", "codecs",
-           "install", "latent_cache", "layers_kept_as_built", "sliding_windows"]
+           "install", "latent_cache", "layers_kept_as_built", "replaceable", "sliding_windows"]

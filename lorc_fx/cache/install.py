@@ -24,7 +24,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from lorc_fx.analysis.records import AttentionBlock, attention_module
 from lorc_fx.plan.planner import Plan, process_plan
 
-from .latent_cache import LatentCache
+from .latent_cache import LatentCache, static_latent_layers
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ def _static_is_faster(model, generation_config, model_kwargs, generation_mode) -
             and model_kwargs.get("past_key_values") is None
             and generation_mode in _STATIC_SAFE_MODES
             and model._lorc_plan.scheme.capabilities.static_cache
+            and static_latent_layers(model.config)
             and (model._lorc_plan.options.shards or 1) == 1)  # sharded: static untested
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer,
-                                     DynamicSlidingWindowLayer, StaticLayer,
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicIndexedLayer,
+                                     DynamicLayer, DynamicSlidingWindowLayer,
+                                     LinearAttentionAndFullAttentionLayer,
+                                     LinearAttentionLayer,
+                                     LinearAttentionAndSlidingWindowAttentionLayer, StaticLayer,
                                      StaticSlidingWindowLayer, get_layer_types_and_kwargs)
 
 from lorc_fx.codes.vector import VectorBook
 from lorc_fx.plan.options import STORED_FLOAT_BITS
 from lorc_fx.plan.planner import Code, Plan
 
+from .hybrid_layers import LatentHybridLayer, LatentHybridSlidingLayer, LatentIndexedLayer
 from .layers import (LatentCodec, LatentDynamicLayer, LatentSlidingLayer, LatentStaticLayer,
                      LatentStaticSlidingLayer)
 from .rotary import RotaryLog
@@ -41,15 +45,36 @@ def _layer_kinds(config) -> list[tuple[str, dict]]:
     return list(zip(*get_layer_types_and_kwargs(config.get_text_config(decoder=True))))
 
 
+# transformers' dynamic cache layers holding keys and values → the latent layer replacing
+# each (any other state they hold kept as transformers keeps it: ``hybrid_layers``)
+_FULL_LAYERS = {DynamicLayer: LatentDynamicLayer, DynamicIndexedLayer: LatentIndexedLayer,
+                LinearAttentionAndFullAttentionLayer: LatentHybridLayer}
+_SLIDING_LAYERS = {DynamicSlidingWindowLayer: LatentSlidingLayer,
+                   LinearAttentionAndSlidingWindowAttentionLayer: LatentHybridSlidingLayer}
+
+
 def layers_kept_as_built(config) -> dict[int, str]:
     """The cache layers a :class:`LatentCache` leaves as transformers builds them for this
-    model config (linear attention, convolutions, hybrid layers, ...): index → layer type.
-    Plain full-attention layers become latent ones and sliding-window (or chunked) layers
-    :class:`LatentSlidingLayer` s (:func:`sliding_windows`), so a plan must count the others
-    full."""
-    ours = (DynamicLayer, DynamicSlidingWindowLayer)
+    model config (linear attention, convolutions, a model's own layer classes): index →
+    layer type. Layers holding full-attention keys and values (plain, hybrid, indexed)
+    become latent ones and sliding-window (or chunked) layers sliding latent ones
+    (:func:`sliding_windows`), so a plan must count the others full."""
+    ours = {*_FULL_LAYERS, *_SLIDING_LAYERS}
     return {i: kind for i, (kind, _) in enumerate(_layer_kinds(config))
             if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) not in ours}
+
+
+def static_latent_layers(config) -> bool:
+    """Whether every cache layer a plan may code has a static latent counterpart (plain
+    full-attention and sliding-window layers do; hybrid and indexed ones do not yet)."""
+    kept = layers_kept_as_built(config)
+    return all(DYNAMIC_LAYER_TYPE_MAPPING.get(kind) in (DynamicLayer, DynamicSlidingWindowLayer)
+               for i, (kind, _) in enumerate(_layer_kinds(config)) if i not in kept)
+
+
+def replaceable(kind: type) -> bool:
+    """Whether transformers' dynamic cache layer class ``kind`` has a latent counterpart."""
+    return kind in _FULL_LAYERS or kind in _SLIDING_LAYERS
 
 
 def sliding_windows(config) -> dict[int, tuple[str, int]]:
@@ -57,7 +82,7 @@ def sliding_windows(config) -> dict[int, tuple[str, int]]:
     layer in transformers) of this model config: index → (layer type, window in tokens)."""
     return {i: (kind, kwargs["sliding_window"])
             for i, (kind, kwargs) in enumerate(_layer_kinds(config))
-            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) is DynamicSlidingWindowLayer}
+            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) in _SLIDING_LAYERS}
 
 
 LatentLayer = LatentDynamicLayer | LatentStaticLayer | LatentStaticSlidingLayer
@@ -96,24 +121,33 @@ class LatentCache(Cache):
         layers, log_owner = [], None
         for i, layer in enumerate(cache.layers):
             k_code, v_code = codes.get(i, (None, None))
-            sliding = type(layer) in (StaticSlidingWindowLayer, DynamicSlidingWindowLayer)
+            kind = type(layer)
+            sliding = kind is StaticSlidingWindowLayer or kind in _SLIDING_LAYERS
             if i in bases and sliding and VectorBook in (type(k_code), type(v_code)):
                 raise ValueError(f"layer {i}: a sliding-window layer cannot hold vector codes")
-            if i in bases and type(layer) is StaticSlidingWindowLayer \
-                    and (k_code is not None or v_code is not None):
+            states = {"number_of_states": layer.number_of_states} \
+                if isinstance(layer, LinearAttentionLayer) else {}
+            if i not in bases:
+                pass
+            elif kind is StaticSlidingWindowLayer and (k_code is not None or v_code is not None):
                 layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
                                                  bases[i], k_code, v_code)
-            elif i in bases and type(layer) is DynamicSlidingWindowLayer:
-                layer = LatentSlidingLayer(layer.sliding_window, bases[i], k_code, v_code)
-            elif i in bases and type(layer) in (DynamicLayer, StaticLayer):
+            elif kind in _SLIDING_LAYERS:
+                layer = _SLIDING_LAYERS[kind](layer.sliding_window, bases[i], k_code, v_code,
+                                              **states)
+            elif kind is StaticLayer or kind in _FULL_LAYERS:
                 b = bases[i]
                 if b.rope_style:
                     b = replace(b, rotary=rotary)
                     log_owner = i if log_owner is None else log_owner
                 owns = log_owner == i
                 layer = (LatentStaticLayer(layer.max_cache_len, b, k_code, v_code, owns)
-                         if type(layer) is StaticLayer
-                         else LatentDynamicLayer(b, k_code, v_code, owns))
+                         if kind is StaticLayer
+                         else _FULL_LAYERS[kind](b, k_code, v_code, owns, **states))
+            elif isinstance(layer, StaticLayer) and kind is not StaticSlidingWindowLayer:
+                raise ValueError(f"layer {i}: transformers' {kind.__name__} has no static "
+                                 "latent counterpart yet: generate this model with the dynamic "
+                                 "cache (cache_implementation='dynamic')")
             layers.append(layer)
         return cls(layers, rotary)
 

@@ -64,6 +64,11 @@ def whitened(model, blocks, options) -> dict[int, LayerMetric]:
     return {layer: LayerMetric(input_gram=s.input_gram) for layer, s in stats.items()}
 
 
+class AttentionNotProbed(ValueError):
+    """The attention probe saw no attention weights of a block: its module does not call
+    transformers' AttentionInterface (its own eager code, or a shared module)."""
+
+
 def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
     """Keys: the score metric (keys ⊗ queries): a RoPE-commuting basis of post-RoPE keys,
     or, where the latent is taken before RoPE (``rope='reconstruct'``), the oblique basis of
@@ -81,7 +86,7 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
             continue
         s = stats[block.layer]
         if s.attention is None:
-            raise ValueError(
+            raise AttentionNotProbed(
                 f"{type(model).__name__} does not route attention through transformers' "
                 "AttentionInterface, so the 'attention' basis cannot measure it; use "
                 "basis='whitened'")
@@ -112,7 +117,7 @@ WEIGHT_NOTE = ("weight-only SVD (the paper's calibration-free basis), {why}; on 
 def resolve(name: str, model, blocks, options) -> tuple[str, dict[int, LayerMetric], str]:
     """(basis used, its metrics, a note for the report where the basis is the weight-only
     one). ``auto`` is ``attention`` where the model routes attention through transformers'
-    AttentionInterface, else ``whitened``; either calibrates (by default on text sampled
+    AttentionInterface (every block's, measured), else ``whitened``; either calibrates (by default on text sampled
     from the model, ``options.calibration``) and falls back to ``weight`` (logged, and
     noted) only where no calibration is possible at all, e.g. the model names no BOS or EOS
     token to sample from."""
@@ -124,7 +129,11 @@ def resolve(name: str, model, blocks, options) -> tuple[str, dict[int, LayerMetr
 
     chosen = "attention" if probe_supported(model) else "whitened"
     try:
-        return chosen, BASES[chosen](model, blocks, options), ""
+        try:
+            return chosen, BASES[chosen](model, blocks, options), ""
+        except AttentionNotProbed as err:
+            log.info("basis 'auto' is 'whitened': %s", err)
+            return "whitened", whitened(model, blocks, options), ""
     except CalibrationUnavailable as err:
         log.warning("basis 'auto' falls back to 'weight' (weight-only SVD, no calibration): %s",
                     err)

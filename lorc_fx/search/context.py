@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from lorc_fx.analysis.cache_probe import cached_layers
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
-from lorc_fx.cache import layers_kept_as_built, sliding_windows
-from lorc_fx.cache.probe import cached_layers
+from lorc_fx.cache import layers_kept_as_built, replaceable, sliding_windows
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.options import AUTO, LATENT_BITS, LATENT_GROUPS, PlanOptions
 from lorc_fx.plan.planner import (LayerInput, Plan, cache_layer_input, layer_inputs,
@@ -138,19 +138,25 @@ def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: i
 def declined_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], why: str
                           ) -> list[LayerInput]:
     """A :func:`~lorc_fx.plan.planner.cache_layer_input` for each layer whose transformers
-    cache holds keys and values (``cache.probe``, one short forward) and that no supported
+    cache holds keys and values (``analysis.cache_probe``, one short forward) and that no supported
     block covers, its note giving the block's reason (else ``why``)."""
     proven = {b.layer for b in blocks if b.supported}
-    found = [c for c in cached_layers(model) if c.layer not in proven] \
+    found = [c for c in cached_layers(model)
+             if c.layer not in proven and replaceable(c.kind)] \
         if len(proven) < len(blocks) or not proven or _more_cache_layers(model, proven) else []
     if not found:
         return []
     reasons = {b.layer: b.reason for b in blocks if not b.supported and b.reason}
+    heads = {b.layer: b.num_heads for b in blocks if b.num_heads}
     config = model.config.get_text_config(decoder=True)
-    heads = getattr(config, "num_attention_heads", None)
+    try:  # a config whose layers differ raises for the whole-model value (dots3_note)
+        every = getattr(config, "num_attention_heads", None)
+    except RuntimeError:
+        every = None
     sliding = sliding_windows(config)
-    return [cache_layer_input(c.layer, heads or c.kv_heads, c.kv_heads, c.k_head_dim,
-                              c.v_head_dim, reasons.get(c.layer, why), sliding.get(c.layer))
+    return [cache_layer_input(c.layer, heads.get(c.layer) or every or c.kv_heads, c.kv_heads,
+                              c.k_head_dim, c.v_head_dim, reasons.get(c.layer, why),
+                              sliding.get(c.layer))
             for c in found]
 
 

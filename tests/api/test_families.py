@@ -10,6 +10,7 @@ from helpers.families import build, config_for
 from helpers.pass_helpers import assert_same_generation, compiled, generate, prompt
 from lorc_fx.cache import (LatentCache, LatentDynamicLayer, LatentSlidingLayer,
                           LatentStaticSlidingLayer)
+from lorc_fx.cache.hybrid_layers import LatentHybridLayer, LatentIndexedLayer
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.attention_probe import AttentionProbe, attention_modules
 
@@ -160,3 +161,57 @@ def test_sliding_window_layers_store_codes_at_default_options(family, layers):
         assert LatentStaticSlidingLayer in [type(l) for l in static.past_key_values.layers]
         with compiled(model, lorc_backend.with_options(inductor=False)):
             assert torch.equal(_generate(model, cache_implementation="static"), static.sequences)
+
+
+# hybrid layers (Mamba state and attention in one cache layer) and indexed ones (sparse
+# attention's indexer keys beside the keys and values), and the cache class lorc_fx puts there
+HYBRID = [("falcon_h1", 2, LatentHybridLayer), ("zamba2", 3, LatentHybridLayer),
+          ("deepseek_v32", 2, LatentIndexedLayer)]
+
+
+def _held_bytes(cache) -> int:
+    """What transformers' cache holds that grows with the tokens: keys, values, indexer keys."""
+    return sum(t.numel() * t.element_size() for l in cache.layers
+               for t in (getattr(l, "keys", None), getattr(l, "values", None),
+                         getattr(l, "indexer_keys", None)) if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("family, layers, latent", HYBRID)
+def test_hybrid_and_indexed_cache_layers_store_codes_at_default_options(family, layers, latent):
+    """Falcon-H1 (Mamba beside attention in every layer), Zamba2 (one attention block shared
+    by the hybrid layers: its module's ``layer_idx`` is -1, so the cache layer it writes is
+    read off transformers' cache) and DeepSeek-V3.2 (the analysis declines its MLA: plain
+    codes, the indexer's keys coded too) were left unchanged: now each layer holding keys
+    and values holds codes, in transformers' own layer class, and after 128 tokens (two
+    groups of 64) the cache holds at most 0.3 of transformers' float32 cache."""
+    model = build(config_for(family, layers=layers))
+    ids = torch.randint(3, 90, (1, 128), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=1, do_sample=False,
+                              return_dict_in_generate=True).past_key_values
+    report = lorc_fx.compress(model, progress=False)
+    assert report.plan is not None and report.plan.cache_fraction <= 0.3
+    out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    cache = out.past_key_values
+    coded = [i for i, l in enumerate(cache.layers) if isinstance(l, latent)]
+    assert coded == [l.layer for l in report.plan.layers] and coded
+    assert all(isinstance(cache.layers[i], type(expected.layers[i])) for i in coded)
+    assert cache.cache_bytes() <= 0.3 * _held_bytes(expected)
+    if latent is LatentHybridLayer:
+        assert cache.cache_bytes() == report.cache_bytes_per_token()[1] * 128
+
+
+@pytest.mark.parametrize("family, layers", [("falcon_h1", 2), ("zamba2", 3)])
+def test_hybrid_layers_at_full_rank_generate_as_before(family, layers):
+    """Latents of full rank beside the Mamba state: greedy with a left-padded batch, and beam
+    search (the beams reorder both halves of each layer), token for token as transformers'."""
+    model = build(config_for(family, layers=layers))
+    ids, mask = prompt()
+    expected = generate(model, ids, mask)
+    beams = _generate(model, num_beams=2)
+    report = lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
+    assert [l.layer for l in report.plan.layers] == [i for i in range(layers)
+                                                     if family != "zamba2" or i == layers - 1]
+    got = generate(model, ids, mask)
+    assert LatentHybridLayer in [type(l) for l in got.past_key_values.layers]
+    assert_same_generation(got, expected)
+    assert torch.equal(_generate(model, num_beams=2), beams)

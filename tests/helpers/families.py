@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, GemmaConfig, Gemma2Config,
-                          Gemma3TextConfig, GPT2Config, GptOssConfig, GPTNeoXConfig, LlamaConfig,
-                          Lfm2Config, MistralConfig, OPTConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config, Qwen3NextConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config,
+                          FalconH1Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
+                          GptOssConfig, GPTNeoXConfig, LlamaConfig, Lfm2Config, MistralConfig,
+                          OPTConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3NextConfig,
+                          Zamba2Config)
 
 VOCAB = 96
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "gpt2", "opt", "gemma", "gemma3")
@@ -69,6 +70,24 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
                                 v_head_dim=head_dim, n_routed_experts=2, num_experts_per_tok=1,
                                 first_k_dense_replace=layers, moe_intermediate_size=32,
                                 n_group=1, topk_group=1)
+    if family == "falcon_h1":  # hybrid: Mamba-2 and attention side by side in every layer
+        return FalconH1Config(**llama_like, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+                              mamba_d_state=16)
+    if family == "zamba2":  # Mamba layers, then one shared attention block (layer_idx -1)
+        return Zamba2Config(hidden_size=hidden, intermediate_size=2 * hidden,
+                            num_hidden_layers=layers, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, attention_head_dim=head_dim,
+                            attention_hidden_size=2 * hidden, kv_channels=head_dim,
+                            num_query_groups=heads, mamba_d_state=16, mamba_headdim=16,
+                            layers_block_type=["mamba"] * (layers - 1) + ["hybrid"], **common)
+    if family == "deepseek_v32":  # MLA beside an indexer whose keys the cache keeps too
+        return DeepseekV32Config(**{**llama_like, "num_key_value_heads": heads},
+                                 kv_lora_rank=2 * head_dim, q_lora_rank=2 * head_dim,
+                                 qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim // 2,
+                                 v_head_dim=head_dim, index_head_dim=head_dim, index_n_heads=2,
+                                 n_routed_experts=2, num_experts_per_tok=1,
+                                 first_k_dense_replace=layers, moe_intermediate_size=32,
+                                 n_group=1, topk_group=1)
     if family == "gpt_neox":
         return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=layers, num_attention_heads=heads,
