@@ -14,7 +14,8 @@ fresh process (``--family NAME``) under a timeout:
    positions >= 512, float32, eval; as few layers as keep every per-layer pattern of the
    config (sliding/full, conv/attention, dense/MoE: ``layer_types`` and the like). If it
    cannot be built or cannot ``generate`` uncompressed, it is "could not build/run".
-2. Transformers' own cache after greedy ``generate`` (``disable_compile=True``) of a random
+2. Transformers' own cache after greedy ``generate`` (``disable_compile=True``,
+   ``use_cache=True``: MPT's config turns the cache off) of a random
    16-token prompt, batch 1, 8 new tokens: its class, its layers' classes and the bytes of
    the keys and values it holds (float32). None held: lorc_fx should leave it alone.
 3. ``lorc_fx.compress(model, progress=False)`` (the package's defaults), the same
@@ -161,7 +162,7 @@ def generate(model, ids, mask=None, new=NEW):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, disable_compile=True, pad_token_id=0,
-                              return_dict_in_generate=True)
+                              use_cache=True, return_dict_in_generate=True)  # MPT: off by default
 
 
 def kv_bytes(cache) -> int:

@@ -13,9 +13,11 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
 import lorc_fx.schemes  # noqa: F401  (registers the storage schemes)
 from lorc_fx.analysis import analyze
+from lorc_fx.analysis.cache_probe import probe_cache
 from lorc_fx.analysis.capture import NoTokenInputs, NotTraceable
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import install, layers_kept_as_built
@@ -49,9 +51,20 @@ class NoAttentionFound(ValueError):
 
 def compressible(model: nn.Module, blocks: list[AttentionBlock]) -> bool:
     """Whether any block is supported and writes a cache layer the latent cache replaces
-    (not one transformers builds its own kind of: sliding-window, chunked, ...)."""
+    (not one transformers builds its own kind of: linear attention, a model's own layer
+    class, ...). Raises :class:`NoAttentionFound` where a forward shows the model caching in
+    a class of its own (MiniMax) or leaving the cache without keys and values (XLM)."""
     kept = layers_kept_as_built(getattr(model, "config", None))
-    return any(b.supported and b.layer not in kept for b in blocks)
+    if not any(b.supported and b.layer not in kept for b in blocks):
+        return False
+    probe = probe_cache(model)
+    if probe is not None and probe.cache_class not in (DynamicCache, None):
+        raise NoAttentionFound(model, blocks, f"it caches in a class of its own "
+                               f"({probe.cache_class.__name__}), which lorc_fx does not replace")
+    if probe is not None and not probe.layers:
+        raise NoAttentionFound(model, blocks, "its cache holds no keys and values after a "
+                               "forward (the model keeps them its own way, or none)")
+    return True
 
 
 def plan(model: nn.Module, cache_fraction: float | None = None, *,

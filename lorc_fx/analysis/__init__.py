@@ -6,7 +6,7 @@ from dataclasses import replace
 from torch import nn
 
 from .attention_match import match_attention
-from .cache_probe import cached_layers
+from .cache_probe import probe_cache
 from .capture import capture
 from .records import AttentionBlock, attention_path, named_params
 from .sharding import block_sharding
@@ -40,7 +40,8 @@ def cache_layers(model: nn.Module, blocks: list[AttentionBlock]) -> list[Attenti
     order, if there are as many; else they keep their execution order."""
     found = [_layer_idx(model, b) for b in blocks]
     if None in found or len(set(found)) != len(found) or found != sorted(found):
-        found = [c.layer for c in cached_layers(model)] if blocks else []
+        probe = probe_cache(model) if blocks else None
+        found = [c.layer for c in probe.layers] if probe is not None else []
         if len(found) != len(blocks):
             return blocks
     return [replace(b, layer=i) for b, i in zip(blocks, found)]

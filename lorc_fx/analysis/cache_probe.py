@@ -1,5 +1,5 @@
-"""What transformers' own cache holds for a model, read off one short forward: the layers
-whose cache holds keys and values, their classes and shapes. No graph, no module names: this
+"""What transformers' own cache holds for a model, read off one short forward: its class, the
+layers that hold keys and values, their classes and shapes. No graph, no module names: this
 is all a plain plan needs of a layer the analysis declines (issue #36), since coding what a
 cache layer stores changes nothing of how attention computes it; and which cache layer each
 attention block writes where no module says (a shared attention block, as Zamba's)."""
@@ -29,26 +29,39 @@ class CachedLayer:
     v_head_dim: int
 
 
+@dataclass(frozen=True)
+class CacheProbe:
+    """The cache a model's forward builds for itself (``cache_class``: ``DynamicCache``, or
+    the model's own, as MiniMax's) and its layers that hold keys and values."""
+
+    cache_class: type | None
+    layers: list[CachedLayer]
+
+
 @torch.no_grad()
-def cached_layers(model: nn.Module) -> list[CachedLayer]:
-    """The layers of ``model``'s transformers ``DynamicCache`` that hold keys and values
-    (full-attention and sliding-window layers, alone or beside other state), with their
-    classes and shapes, after one forward of a few tokens. Empty where the model has no
-    transformers config or that forward fails."""
+def probe_cache(model: nn.Module) -> CacheProbe | None:
+    """The cache a forward of ``model`` over a few tokens fills: a ``DynamicCache`` of its
+    config, as ``generate`` builds, or where the model refuses one, the cache the model
+    builds for itself (``use_cache=True``, none passed); ``None`` where the model has no
+    transformers config or neither forward runs (nothing is known)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
-        return []
+        return None
+    ids = synthetic_input_ids(model, 2)
+    cache = DynamicCache(config=config.get_text_config(decoder=True))
     try:
-        cache = DynamicCache(config=config.get_text_config(decoder=True))
-        model(synthetic_input_ids(model, 2), past_key_values=cache, use_cache=True)
-    except Exception as err:  # noqa: BLE001  (any model: then there is nothing to code)
-        log.info("lorc_fx: a forward with transformers' cache failed (%r)", err)
-        return []
+        model(ids, past_key_values=cache, use_cache=True)
+    except Exception:  # noqa: BLE001  (any model: perhaps one with a cache class of its own)
+        try:
+            cache = model(ids, use_cache=True).past_key_values
+        except Exception as err:  # noqa: BLE001  (then nothing is known of its cache)
+            log.info("lorc_fx: a forward with transformers' cache failed (%r)", err)
+            return None
     found = []
-    for i, layer in enumerate(cache.layers):
+    for i, layer in enumerate(getattr(cache, "layers", [])):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) \
                 or keys.dim() != 4 or values.dim() != 4 or keys.shape[1] != values.shape[1]:
             continue
         found.append(CachedLayer(i, type(layer), keys.shape[1], keys.shape[3], values.shape[3]))
-    return found
+    return CacheProbe(None if cache is None else type(cache), found)

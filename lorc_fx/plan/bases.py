@@ -117,10 +117,10 @@ WEIGHT_NOTE = ("weight-only SVD (the paper's calibration-free basis), {why}; on 
 def resolve(name: str, model, blocks, options) -> tuple[str, dict[int, LayerMetric], str]:
     """(basis used, its metrics, a note for the report where the basis is the weight-only
     one). ``auto`` is ``attention`` where the model routes attention through transformers'
-    AttentionInterface (every block's, measured), else ``whitened``; either calibrates (by default on text sampled
-    from the model, ``options.calibration``) and falls back to ``weight`` (logged, and
-    noted) only where no calibration is possible at all, e.g. the model names no BOS or EOS
-    token to sample from."""
+    AttentionInterface (every block's, measured), else ``whitened``; either calibrates (by
+    default on text sampled from the model, ``options.calibration``) and falls back to
+    ``weight`` (logged, and noted) only where no calibration is possible at all, e.g. the
+    model names no BOS, EOS, CLS or padding token to sample from."""
     if name != "auto":
         note = WEIGHT_NOTE.format(why="as asked (basis='weight')") if name == "weight" else ""
         return name, BASES[name](model, blocks, options), note

@@ -15,8 +15,8 @@ only the other paragraphs (:func:`evaluation_part`).
 
 The default calibration text is ``"self"``: sequences sampled from the model itself
 (:func:`self_generated_windows`, ``lorc_fx.plan.sampling``), so calibration needs no corpus
-and no tokenizer, only a BOS or EOS token, and it generalises to genres it never saw better
-than news and Austen did (bench/calibration_sources.md). Named texts (``"news"``,
+and no tokenizer, only a token to start from (BOS, EOS, CLS or padding), and it generalises
+to genres it never saw better than news and Austen did (bench/calibration_sources.md). Named texts (``"news"``,
 ``"austen"``, ``"pydoc"``, ``"code"``, ``"poems"``, paths) stay selectable; one this machine
 lacks becomes ``"self"`` (:func:`usable_calibration`).
 """
@@ -259,7 +259,7 @@ def self_cache_path(model: nn.Module, start: int, window: int, seed: int) -> Pat
 
 def can_read(model: nn.Module, options: CalibrationOptions) -> bool:
     """Whether the text ``options`` name can be had for ``model``: named texts are checked
-    by :func:`usable_calibration`; the model's own needs a BOS or EOS token to start from."""
+    by :func:`usable_calibration`; the model's own needs a token to start from (``sampling.start_token``)."""
     return SELF_TEXT not in options.texts or \
         start_token(model, calibration_tokenizer(model, options)) is not None
 
@@ -281,7 +281,7 @@ def sampled_before(model: nn.Module, options: CalibrationOptions) -> bool:
 def self_generated_windows(model: nn.Module, tokenizer, count: int, window: int,
                            seed: int = 0) -> torch.Tensor:
     """``(count, window)`` token ids sampled from ``model`` itself (``lorc_fx.plan.sampling``),
-    each from its BOS (else EOS) token.
+    each from the same first token (``sampling.start_token``: BOS, else EOS, ...).
 
     Sequence ``i`` of ``seed`` draws from its own generator, so the first ``n`` sequences do
     not depend on how many are asked for or how they are batched: sequences are kept on disk
@@ -307,8 +307,8 @@ def sample_self_text(model: nn.Module, tokenizer,
     start = start_token(model, tokenizer)
     if start is None:
         raise CalibrationUnavailable(
-            f"calibration text {SELF_TEXT!r} samples from a BOS or EOS token, and neither the "
-            f"tokenizer nor the config of {type(model).__name__} names one")
+            f"calibration text {SELF_TEXT!r} samples from a BOS, EOS, CLS or padding token, "
+            f"and neither the tokenizer nor the config of {type(model).__name__} names one")
     stored: dict[Path, torch.Tensor] = {}
     wanted: dict[Path, tuple[int, int, int]] = {}
     paths = [self_cache_path(model, start, window, seed) for _, window, seed in requests]

@@ -22,15 +22,18 @@ _NUCLEUS_CANDIDATES = (512, 4096)
 
 def start_token(model: nn.Module, tokenizer=None) -> int | None:
     """The token every sampled sequence starts from: BOS, else EOS, of the tokenizer, the
-    generation config or the model config, in that order; ``None`` where none has one."""
-    for source in (tokenizer, getattr(model, "generation_config", None),
-                   getattr(model, "config", None)):
-        for attr in ("bos_token_id", "eos_token_id"):
-            tid = getattr(source, attr, None)
-            if isinstance(tid, (list, tuple)):
-                tid = tid[0] if tid else None
-            if tid is not None:
-                return int(tid)
+    generation config or the model config, in that order; where none names one, their CLS
+    (a BERT-style model opens every text with it), else padding token; ``None`` where none
+    has any."""
+    sources = (tokenizer, getattr(model, "generation_config", None), getattr(model, "config", None))
+    for attrs in (("bos_token_id", "eos_token_id"), ("cls_token_id", "pad_token_id")):
+        for source in sources:
+            for attr in attrs:
+                tid = getattr(source, attr, None)
+                if isinstance(tid, (list, tuple)):
+                    tid = tid[0] if tid else None
+                if tid is not None:
+                    return int(tid)
     return None
 
 

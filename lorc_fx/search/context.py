@@ -8,8 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
-from lorc_fx.analysis.cache_probe import cached_layers
+from lorc_fx.analysis.cache_probe import probe_cache
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
 from lorc_fx.cache import layers_kept_as_built, replaceable, sliding_windows
 from lorc_fx.plan.bases import resolve
@@ -141,9 +142,12 @@ def declined_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], why: s
     cache holds keys and values (``analysis.cache_probe``, one short forward) and that no supported
     block covers, its note giving the block's reason (else ``why``)."""
     proven = {b.layer for b in blocks if b.supported}
-    found = [c for c in cached_layers(model)
-             if c.layer not in proven and replaceable(c.kind)] \
-        if len(proven) < len(blocks) or not proven or _more_cache_layers(model, proven) else []
+    if proven and len(proven) == len(blocks) and not _more_cache_layers(model, proven):
+        return []
+    probe = probe_cache(model)
+    if probe is None or probe.cache_class is not DynamicCache:  # a model's own: not replaced
+        return []
+    found = [c for c in probe.layers if c.layer not in proven and replaceable(c.kind)]
     if not found:
         return []
     reasons = {b.layer: b.reason for b in blocks if not b.supported and b.reason}

@@ -123,3 +123,37 @@ def test_a_layer_the_analysis_declines_beside_proven_ones_is_coded_by_a_plain_pl
                          return_dict_in_generate=True)
     assert all(isinstance(l, LatentDynamicLayer) for l in out.past_key_values.layers)
     assert out.past_key_values.cache_bytes() == report.cache_bytes_per_token()[1] * 64 * 2
+
+
+def _minimax():  # attention beside lightning attention, in a cache class of MiniMax's own
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    return MiniMaxForCausalLM(MiniMaxConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+        layer_types=["full_attention", "linear_attention"], pad_token_id=0)).eval()
+
+
+def _xlm():  # caches keys and values in a dict of its own: transformers' cache stays empty
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    return XLMWithLMHeadModel(XLMConfig(vocab_size=96, emb_dim=64, n_layers=2, n_heads=4,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+
+
+@pytest.mark.parametrize("build_model, why", [
+    (_minimax, "it caches in a class of its own (MiniMaxCache)"),
+    (_xlm, "its cache holds no keys and values after a forward")])
+def test_a_cache_lorc_fx_cannot_replace_leaves_the_model_unchanged_and_says_why(
+        build_model, why, caplog):
+    """MiniMax refuses any cache but its own class (planning sampled with a DynamicCache and
+    crashed); XLM's attention is found, but it never writes transformers' cache (a plan was
+    made and reported, and nothing changed). Both are left unchanged, with the reason."""
+    model = build_model()
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    report = lorc_fx.compress(model, progress=False)
+    assert report.plan is None and why in report.left_alone
+    assert any(why in r.getMessage() for r in caplog.records)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0),
+                       expected)

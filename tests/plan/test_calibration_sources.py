@@ -26,6 +26,19 @@ def test_the_default_calibration_is_the_models_own_text():
     assert CalibrationOptions().texts == ("self",)
 
 
+def test_sampling_starts_from_bos_else_eos_else_cls_else_padding():
+    """A BERT-style decoder (RoCBert) names neither BOS nor EOS: its text is sampled from
+    CLS, else its padding token, instead of falling back to the weight-only basis."""
+    from types import SimpleNamespace as Config
+
+    model = lambda **ids: Config(config=Config(**ids), generation_config=None)
+    assert sampling.start_token(model(eos_token_id=2, pad_token_id=0),
+                                Config(bos_token_id=None, eos_token_id=None)) == 2
+    assert sampling.start_token(model(pad_token_id=0), Config(cls_token_id=101)) == 101
+    assert sampling.start_token(model(pad_token_id=0)) == 0
+    assert sampling.start_token(model()) is None
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), vocab=st.integers(2, 300),
        temperature=st.floats(0.05, 20.0), top_p=st.floats(0.05, 1.0))
@@ -84,14 +97,15 @@ def test_the_weight_basis_says_so_in_the_report(loaded, caplog):
     asked = plan(model, 0.75, basis="weight", blocks=blocks)
     assert "weight-only SVD" in plan_table(asked) and "as asked" in plan_table(asked)
     assert "weight-only SVD" in asked.to_json()["basis_note"]
-    # nothing to sample from (no BOS/EOS) and no tokenizer: the one case auto cannot calibrate
+    # nothing to sample from (no BOS/EOS/CLS/padding) and no tokenizer: the one case auto
+    # cannot calibrate
     silent = bare_copy(model, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     with caplog.at_level(logging.WARNING):
         fallback = plan(silent, 0.75, blocks=blocks,
                         calibration=CalibrationOptions(tokens=128, window=16))
     assert fallback.options.basis == "weight"
     assert "no calibration was possible" in plan_table(fallback)
-    assert "BOS or EOS" in plan_table(fallback)
+    assert "BOS, EOS, CLS or padding" in plan_table(fallback)
     assert any("falls back to 'weight'" in r.getMessage() for r in caplog.records)
 
 
