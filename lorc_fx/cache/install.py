@@ -76,10 +76,12 @@ def _static_is_faster(model, generation_config, model_kwargs, generation_mode) -
 
     Compiled, a dynamic latent layer copies its codes into a grown tensor every step where a
     static one writes the step's codes in place: plain int8 after a 4096-token prompt decodes
-    at 7.3 tok/s over a dynamic cache against 9.1 over a static one (one thread,
-    bench/results/long_context_cache-cpu.md). Eager, the static cache is the slower (6.0
-    against 7.3 at 1024 tokens), so only a model compiled in place (``model.compile``) gets
-    one, and only where the caller passed neither a cache nor ``cache_implementation``."""
+    at 4.6 tok/s over a dynamic cache against 9.1 over a static one (one thread,
+    bench/results/long_context_cache_choice-cpu.md). Eager, the static cache is the slower
+    (6.0 against 7.3 at 1024 tokens), so only a model compiled in place (``model.compile``)
+    gets one, only where the caller passed neither a cache nor ``cache_implementation``, and
+    only where every layer the plan codes has a static latent layer (not hybrid or indexed
+    ones yet)."""
     return (getattr(model, "_compiled_call_impl", None) is not None
             and generation_config.cache_implementation is None
             and model_kwargs.get("past_key_values") is None

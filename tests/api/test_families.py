@@ -198,6 +198,8 @@ def test_hybrid_and_indexed_cache_layers_store_codes_at_default_options(family, 
     assert cache.cache_bytes() <= 0.3 * _held_bytes(expected)
     if latent is LatentHybridLayer:
         assert cache.cache_bytes() == report.cache_bytes_per_token()[1] * 128
+        with pytest.raises(ValueError, match="no static latent counterpart yet"):
+            _generate(model, cache_implementation="static")  # not a silent full cache
 
 
 @pytest.mark.parametrize("family, layers", [("falcon_h1", 2), ("zamba2", 3)])
