@@ -217,3 +217,21 @@ def test_hybrid_layers_at_full_rank_generate_as_before(family, layers):
     assert LatentHybridLayer in [type(l) for l in got.past_key_values.layers]
     assert_same_generation(got, expected)
     assert torch.equal(_generate(model, num_beams=2), beams)
+    if family == "falcon_h1":  # and compiled (the passes without Inductor, for time)
+        with compiled(model, lorc_backend.with_options(inductor=False)):
+            got = generate(model, ids, mask)
+        assert LatentHybridLayer in [type(l) for l in got.past_key_values.layers]
+        assert_same_generation(got, expected)
+
+
+def test_indexed_layers_of_a_plain_plan_generate_compiled_as_eager():
+    """DeepSeek-V3.2 (declined MLA: plain codes, the indexer's keys coded too): compiled
+    decode reads the codes as eager does, token for token."""
+    model = build(config_for("deepseek_v32"))
+    lorc_fx.compress(model, progress=False)
+    ids, mask = prompt()
+    eager = generate(model, ids, mask)
+    assert isinstance(eager.past_key_values.layers[0], LatentIndexedLayer)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        got = generate(model, ids, mask)
+    assert torch.equal(got.sequences, eager.sequences)
