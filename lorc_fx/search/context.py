@@ -118,10 +118,13 @@ def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: i
                        ) -> list[LayerInput]:
     """:func:`~lorc_fx.plan.planner.layer_inputs` of ``model``, with the layers transformers
     builds its own cache layer for marked (they stay full, as built), and its sliding-window
-    layers (raw keys and values except in a plain plan, which codes them)."""
-    inputs = layer_inputs(named_params(model), blocks, shards)
+    layers (raw keys and values except in a plain plan, which codes them). A layer whose
+    cache layer holds nothing (``dummy``: Gemma-3n's last layers read an earlier layer's keys
+    and values) is not planned: it costs no bytes."""
     config = getattr(model, "config", None)
     kept, sliding = layers_kept_as_built(config), sliding_windows(config)
+    blocks = [b for b in blocks if kept.get(b.layer) != "dummy"]
+    inputs = layer_inputs(named_params(model), blocks, shards)
     for layer in inputs:
         if layer.layer in kept:
             layer.compress_k = layer.compress_v = False

@@ -235,3 +235,25 @@ def test_indexed_layers_of_a_plain_plan_generate_compiled_as_eager():
     with compiled(model, lorc_backend.with_options(inductor=False)):
         got = generate(model, ids, mask)
     assert torch.equal(got.sequences, eager.sequences)
+
+
+def test_layers_reading_another_layers_cache_are_not_counted():
+    """Gemma-3n's last layers read the keys and values of earlier ones (``num_kv_shared_layers``):
+    transformers gives them a ``DummyLayer`` that holds nothing. The plan counted them as full
+    layers kept (a tiny Gemma-3n: 0.548 planned, 0.172 held); now they are not planned and the
+    report's bytes are the cache's."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    config = Gemma3nTextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=256,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=96, hidden_size_per_layer_input=16,
+        activation_sparsity_pattern=[0.0] * 4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Gemma3nForCausalLM(config).eval()
+    report = lorc_fx.compress(model, progress=False)
+    assert [l.layer for l in report.plan.layers] == [0, 1]
+    ids = torch.randint(3, 90, (1, 128), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    assert out.past_key_values.cache_bytes() == report.cache_bytes_per_token()[1] * 128
