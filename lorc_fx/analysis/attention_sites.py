@@ -128,8 +128,8 @@ def _sink_columns(node: Node, facts) -> tuple[Node, int] | None:
 
 
 def _walk_scores(node, facts) -> tuple[Node | None, float, str, float | None, int]:
-    """Back from the softmax input through scaling, masking, a softcap, a row maximum
-    subtracted and sink logits joined to ``q @ k^T``: (that node, the scale, an error, the
+    """Back from the softmax input through scaling, masking, a floor, a softcap, a row
+    maximum subtracted and sink logits joined to ``q @ k^T``: (that node, the scale, an error, the
     softcap, the sinks' count)."""
     factor, softcap, sinks = 1.0, None, 0
     for _ in range(32):
@@ -162,6 +162,9 @@ def _walk_scores(node, facts) -> tuple[Node | None, float, str, float | None, in
             if name == "sub" and node.args[0] is not derived[0]:
                 break
             node = derived[0]  # masks and position biases do not touch q or k
+        elif name in ("max", "maximum") and len(derived) == 1 and len(node.args) == 2 \
+                and not isinstance(node.args[1], int):
+            node = derived[0]  # a floor under the scores (XGLM's finfo.min), elementwise
         else:
             break
     where = node.name if isinstance(node, Node) else repr(node)

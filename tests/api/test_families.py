@@ -257,3 +257,21 @@ def test_layers_reading_another_layers_cache_are_not_counted():
     ids = torch.randint(3, 90, (1, 128), generator=torch.Generator().manual_seed(0))
     out = model.generate(ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
     assert out.past_key_values.cache_bytes() == report.cache_bytes_per_token()[1] * 128
+
+
+def test_a_floor_under_the_scores_is_matched_and_exact_at_full_rank_eager_and_compiled():
+    """XGLM floors its scores at the dtype's minimum (``torch.max(scores, finfo.min)``):
+    elementwise, after ``q·k``, so it was declined and is now matched like a mask."""
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    torch.manual_seed(0)
+    model = XGLMForCausalLM(XGLMConfig(
+        vocab_size=96, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    ids, mask = prompt()
+    expected = generate(model, ids, mask)
+    report = lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
+    assert not report.unsupported and len(report.plan.layers) == 2
+    assert_same_generation(generate(model, ids, mask), expected)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        assert_same_generation(generate(model, ids, mask), expected)
