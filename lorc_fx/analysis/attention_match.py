@@ -135,6 +135,9 @@ def _transforms(trace: Path, head_dim: int, transposed: bool, role: str, notes: 
     """
     other = [s for s in trace.steps if s.kind == "other"]
     kinds = trace.kinds()
+    scaled = [s for s in trace.steps if s.kind == "token_scale"]
+    if scaled and role != "query":  # a query's scale is attention's; a key's is cached
+        notes.append(f"{role}: scaled per token at {scaled[0].node.name}")
     kind = ("other" if other else "norm" if "norm" in kinds
             else "rope" if "rope" in kinds else "none")
     if other:

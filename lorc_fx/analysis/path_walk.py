@@ -4,6 +4,7 @@ The walk is a chain of *steps*; each step is recognised by a small matcher, trie
 
 ``rope``   rotary embedding (see ``rope_match``)
 ``scale``  multiplication / division by a constant (OPT's pre-scaled query)
+``token_scale``  multiplication by one value per batch row and token (Llama 4's temperature)
 ``layout`` view / reshape / transpose / split / getitem / expand / casts ...
 ``cache``  ``cat`` with cached keys, or an in-place write into a cache buffer (StaticCache)
 ``norm``   an elementwise region with a reduction over the last dim (q/k RMSNorm)
@@ -25,7 +26,7 @@ from .index_replay import replay_node, source_index
 from .projections import LinearNode
 from .rope_match import RopeMatch, match_rope
 
-TRANSFORMS = frozenset({"rope", "scale", "norm", "other"})
+TRANSFORMS = frozenset({"rope", "scale", "token_scale", "norm", "other"})
 _WRITES = {"index_copy_": 3, "copy_": 1}  # in-place cache writes -> position of the source
 _MAX_STEPS = 200
 _MAX_REGION = 64
@@ -33,7 +34,7 @@ _MAX_REGION = 64
 
 @dataclass(frozen=True)
 class Step:
-    kind: str                      # layout | cache | rope | scale | norm | other
+    kind: str                      # layout | cache | rope | scale | token_scale | norm | other
     node: Node                     # holds the traced tensor after this step
     source: Node                   # held it before
     factor: float = 1.0            # scale steps
@@ -141,12 +142,27 @@ def _scale(node, facts) -> Step | None:
     if name not in ("mul", "div") or len(node.args) != 2:
         return None
     a, b = node.args
+    if name == "mul" and (factor := _per_token_factor(a, b, facts)) is not None:
+        return Step("token_scale", node, b if factor is a else a)
     if facts.is_derived(a) and scalar_constant(b) is not None:
         c = scalar_constant(b)
         if name == "mul" or c != 0:
             return Step("scale", node, a, factor=c if name == "mul" else 1.0 / c)
     if name == "mul" and facts.is_derived(b) and scalar_constant(a) is not None:
         return Step("scale", node, b, factor=scalar_constant(a))
+    return None
+
+
+def _per_token_factor(a, b, facts) -> Node | None:
+    """The operand of ``a * b`` that scales the other, derived one by a tensor no projection
+    feeds and that is one value across the head dim (Llama 4's attention temperature,
+    ``q · (1 + β log(1 + ⌊pos / L⌋))`` shaped ``(b, 1, n, 1)``), if one does. Only a
+    query may be scaled so (``attention_match``): attention reads it as it comes."""
+    for factor, scaled in ((a, b), (b, a)):
+        if isinstance(factor, Node) and facts.is_derived(scaled) and not facts.is_derived(factor):
+            dims = shape(factor) or ()
+            if dims and dims[-1] == 1 and len(dims) == len(shape(scaled) or ()):
+                return factor
     return None
 
 

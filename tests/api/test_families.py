@@ -275,3 +275,24 @@ def test_a_floor_under_the_scores_is_matched_and_exact_at_full_rank_eager_and_co
     assert_same_generation(generate(model, ids, mask), expected)
     with compiled(model, lorc_backend.with_options(inductor=False)):
         assert_same_generation(generate(model, ids, mask), expected)
+
+
+def test_a_query_scaled_per_token_is_matched_and_exact_at_full_rank_eager_and_compiled():
+    """Ministral 3 (and Llama 4) scale the query by ``1 + β log(1 + ⌊pos / L⌋)`` per token
+    (L set to 4 here, so that the scale shows): attention reads that query as it comes, so
+    the block is matched (it was declined: "unrecognised ops (mul)")."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    config = Ministral3Config(vocab_size=96, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config.rope_parameters.update(original_max_position_embeddings=4, llama_4_scaling_beta=0.5)
+    torch.manual_seed(0)
+    model = Ministral3ForCausalLM(config).eval()
+    ids, mask = prompt()
+    expected = generate(model, ids, mask)
+    report = lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
+    assert not report.unsupported and len(report.plan.layers) == 2
+    assert_same_generation(generate(model, ids, mask), expected)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        assert_same_generation(generate(model, ids, mask), expected)
