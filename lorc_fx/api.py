@@ -120,12 +120,15 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
             return _plain_without_graph(model, blocks, NoAttentionFound(model, blocks), options)
         except NoGraphPlan:
             raise NoAttentionFound(model, blocks) from None
+    return _planned(model, blocks, options, progress)
+
+
+def _planned(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+             progress: bool) -> Plan:
+    """The search's plan of a model :func:`compressible` passed, with its fingerprint."""
     planned = plan_model(model, blocks, options, progress)
     return replace(planned, fingerprint=plan_file.plan_fingerprint(model),
                    model_name=plan_file.model_name(model))
-
-
-_plan = plan  # ``compress`` takes a ``plan=`` argument
 
 
 def _dtype_bits(model: nn.Module) -> int:
@@ -201,7 +204,7 @@ def compress(model: nn.Module, cache_fraction: float | None = None, *,
         return CompressionReport(planned, [(l, r) for l, r in unsupported if l not in coded],
                                  dtype_bytes)
     if plan is None:
-        planned = _plan(model, options=options, blocks=blocks, progress=progress)
+        planned = _planned(model, blocks, options, progress)  # compressible, checked above
     elif isinstance(plan, Plan):
         plan_file.check_fits(plan, model, blocks)
         planned = plan

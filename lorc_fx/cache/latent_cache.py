@@ -59,9 +59,8 @@ def layers_kept_as_built(config) -> dict[int, str]:
     layer type. Layers holding full-attention keys and values (plain, hybrid, indexed)
     become latent ones and sliding-window (or chunked) layers sliding latent ones
     (:func:`sliding_windows`), so a plan must count the others full."""
-    ours = {*_FULL_LAYERS, *_SLIDING_LAYERS}
     return {i: kind for i, (kind, _) in enumerate(_layer_kinds(config))
-            if DYNAMIC_LAYER_TYPE_MAPPING.get(kind) not in ours}
+            if not replaceable(DYNAMIC_LAYER_TYPE_MAPPING.get(kind))}
 
 
 def static_latent_layers(config) -> bool:

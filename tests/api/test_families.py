@@ -259,6 +259,18 @@ def test_layers_reading_another_layers_cache_are_not_counted():
     assert out.past_key_values.cache_bytes() == report.cache_bytes_per_token()[1] * 128
 
 
+def _assert_every_block_exact_at_full_rank_eager_and_compiled(model):
+    """Both blocks of a two-layer ``model`` matched, and at full rank its greedy tokens (a
+    left-padded batch) the uncompressed model's, eager and compiled."""
+    ids, mask = prompt()
+    expected = generate(model, ids, mask)
+    report = lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
+    assert not report.unsupported and len(report.plan.layers) == 2
+    assert_same_generation(generate(model, ids, mask), expected)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        assert_same_generation(generate(model, ids, mask), expected)
+
+
 def test_a_floor_under_the_scores_is_matched_and_exact_at_full_rank_eager_and_compiled():
     """XGLM floors its scores at the dtype's minimum (``torch.max(scores, finfo.min)``):
     elementwise, after ``q·k``, so it was declined and is now matched like a mask."""
@@ -268,13 +280,7 @@ def test_a_floor_under_the_scores_is_matched_and_exact_at_full_rank_eager_and_co
     model = XGLMForCausalLM(XGLMConfig(
         vocab_size=96, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128,
         max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
-    ids, mask = prompt()
-    expected = generate(model, ids, mask)
-    report = lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
-    assert not report.unsupported and len(report.plan.layers) == 2
-    assert_same_generation(generate(model, ids, mask), expected)
-    with compiled(model, lorc_backend.with_options(inductor=False)):
-        assert_same_generation(generate(model, ids, mask), expected)
+    _assert_every_block_exact_at_full_rank_eager_and_compiled(model)
 
 
 def test_a_query_scaled_per_token_is_matched_and_exact_at_full_rank_eager_and_compiled():
@@ -289,10 +295,4 @@ def test_a_query_scaled_per_token_is_matched_and_exact_at_full_rank_eager_and_co
     config.rope_parameters.update(original_max_position_embeddings=4, llama_4_scaling_beta=0.5)
     torch.manual_seed(0)
     model = Ministral3ForCausalLM(config).eval()
-    ids, mask = prompt()
-    expected = generate(model, ids, mask)
-    report = lorc_fx.compress(model, 1.0, latent_bits=16, progress=False)
-    assert not report.unsupported and len(report.plan.layers) == 2
-    assert_same_generation(generate(model, ids, mask), expected)
-    with compiled(model, lorc_backend.with_options(inductor=False)):
-        assert_same_generation(generate(model, ids, mask), expected)
+    _assert_every_block_exact_at_full_rank_eager_and_compiled(model)

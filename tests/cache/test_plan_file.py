@@ -61,7 +61,8 @@ def assert_same_plan(got, expected):
 def forbid_planning(monkeypatch):
     """Call it once the plan is saved: from then on ``compress`` planning (and so
     calibrating) fails the test."""
-    return lambda: monkeypatch.setattr(api, "_plan", lambda *a, **k: pytest.fail("planned again"))
+    return lambda: monkeypatch.setattr(api, "_planned",
+                                       lambda *a, **k: pytest.fail("planned again"))
 
 
 @pytest.mark.parametrize("rope", ["commute", "reconstruct"])
