@@ -29,12 +29,15 @@ from .latent_cache import LatentCache, static_latent_layers
 log = logging.getLogger(__name__)
 
 
-def latent_cache(model: nn.Module, max_cache_len: int | None = None) -> LatentCache:
-    """A fresh latent cache for a compressed model (dynamic, or static with ``max_cache_len``)."""
+def latent_cache(model: nn.Module, max_cache_len: int | None = None,
+                 prefill_as_stored: bool = False) -> LatentCache:
+    """A fresh latent cache for a compressed model (dynamic, or static with ``max_cache_len``);
+    ``prefill_as_stored``: a prefill attends its own tokens read back as stored, not as it
+    computed them (``LatentCache.from_cache``)."""
     config = model.config.get_text_config(decoder=True)
     base = (DynamicCache(config=config) if max_cache_len is None
             else StaticCache(config=config, max_cache_len=max_cache_len))
-    return LatentCache.from_cache(base, model._lorc_plan)
+    return LatentCache.from_cache(base, model._lorc_plan, prefill_as_stored)
 
 
 def _hand_angles_to_cache(module, args, kwargs):

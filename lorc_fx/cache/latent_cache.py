@@ -95,21 +95,26 @@ class LatentCache(Cache):
         self.rotary = rotary
 
     @classmethod
-    def from_cache(cls, cache: Cache, plan: Plan) -> "LatentCache":
+    def from_cache(cls, cache: Cache, plan: Plan, prefill_as_stored: bool = False
+                   ) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``plan`` compresses
-        for a latent one, each side stored as its code says."""
+        for a latent one, each side stored as its code says; ``prefill_as_stored``: a prefill
+        attends its own tokens read back as stored, not as it computed them (one-forward
+        measurements: ``layers._PrefillAsComputed``)."""
         if any(type(l) is StaticLayer for l in cache.layers) \
                 and not plan.scheme.capabilities.static_cache:
             raise ValueError(f"a {plan.scheme.title} plan needs a dynamic cache: a static cache "
                              "(cache_implementation='static') is not supported for it yet")
-        return cls.from_codecs(cache, codecs(plan), side_codes(plan))
+        return cls.from_codecs(cache, codecs(plan), side_codes(plan), prefill_as_stored)
 
     @classmethod
     def from_codecs(cls, cache: Cache, bases: dict[int, LatentCodec],
-                    codes: dict[int, SideCodes] | None = None) -> "LatentCache":
+                    codes: dict[int, SideCodes] | None = None, prefill_as_stored: bool = False
+                    ) -> "LatentCache":
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers for
         a :class:`LatentDynamicLayer` / :class:`LatentStaticLayer`, its sides stored as
-        ``codes`` say (default: in the model's dtype)."""
+        ``codes`` say (default: in the model's dtype); ``prefill_as_stored`` as
+        :meth:`from_cache`."""
         static = [l for l in cache.layers if type(l) is StaticLayer]
         codes = codes or {}
         styles = {(b.rope_style, b.rotary_dim) for b in bases.values() if b.rope_style}
@@ -147,6 +152,8 @@ class LatentCache(Cache):
                 raise ValueError(f"layer {i}: transformers' {kind.__name__} has no static "
                                  "latent counterpart yet: generate this model with the dynamic "
                                  "cache (cache_implementation='dynamic')")
+            if prefill_as_stored and hasattr(layer, "prefill_as_stored"):  # a latent one
+                layer.prefill_as_stored = True
             layers.append(layer)
         return cls(layers, rotary)
 

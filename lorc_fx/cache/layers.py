@@ -7,6 +7,10 @@ model's own attention code runs unchanged in eager mode and Python keeps owning 
 cache's shapes (docs/design.md, "Who owns the cache"). The compiled path rewrites the
 reconstruction away.
 
+A prefill (a write of more than ``PREFILL_TOKENS`` tokens) attends the tokens it writes as it
+computed them, the earlier ones as stored (``_PrefillAsComputed``); every later step reads
+all of them as stored.
+
 Keys of a ``reconstruct``-mode layer are cached before RoPE (the paper's joint basis): the
 layer turns the incoming post-RoPE keys back, and rotates the rebuilt keys again at every
 step with the angles of their own positions, kept once per cache in a ``RotaryLog``.
@@ -25,6 +29,12 @@ from lorc_fx.plan.planner import Code, LayerPlan
 from .latent_ops import project, reconstruct, rotated_reconstruct
 from .rotary import RotaryLog, rotate
 from .stores import dynamic_store, settle_group, static_store
+
+
+# a write of more tokens than this is a prefill (a prompt, a long chunk); shorter ones (decode
+# steps, draft verification) read every token as stored, as the compiled decode graphs do
+# (``compile.passes.absorb_latent_attention``)
+PREFILL_TOKENS = 32
 
 
 @dataclass
@@ -100,6 +110,39 @@ class _RotaryLogOwner:
         return self.bases.rotary if self.logs_rotary else None
 
 
+class _PrefillAsComputed:
+    """Policy of every latent layer: a prefill (a write of more than ``PREFILL_TOKENS``
+    tokens) attends the tokens it writes as it computed them and the earlier ones as stored,
+    as transformers' ``QuantizedCache`` and KIVI do. The cache stores them as the plan says
+    and every later step reads them so; only the forward that computed them sees them exact,
+    which costs nothing (they are in hand) and keeps the codes' rounding from compounding
+    through the layers over the whole prompt (the default model at 4.5 bits per value,
+    passkeys in 1k tokens: 19 of 50 found read back, 42 as computed, as many as the full
+    cache: bench/results/retrieval_passkey50-cpu.md).
+
+    ``prefill_as_stored`` (``LatentCache.from_cache(..., prefill_as_stored=True)``) reads them
+    back through the codes instead: what one-forward measurements use to stand for the
+    decode steps, which read every token as stored (the planner's held-out loss)."""
+
+    prefill_as_stored = False
+
+    def _as_computed(self, incoming: int) -> bool:
+        return not self.prefill_as_stored and incoming > PREFILL_TOKENS
+
+    def _expanded(self, k: torch.Tensor, v: torch.Tensor, key_states, value_states):
+        """Keys and values of the latents ``k``, ``v`` (their last tokens the incoming
+        ``key_states``/``value_states``) as attention reads them: rebuilt, or, in a prefill,
+        the incoming ones as they came after the earlier ones rebuilt."""
+        incoming = key_states.shape[-2]
+        if not self._as_computed(incoming):
+            return self.bases.expand(k, v)
+        earlier = k.shape[-2] - incoming
+        if earlier == 0:
+            return key_states, value_states
+        k, v = self.bases.expand(k[..., :earlier, :], v[..., :earlier, :])
+        return torch.cat([k, key_states], dim=-2), torch.cat([v, value_states], dim=-2)
+
+
 class _FixedAddresses:
     """Policy of a static latent layer: its buffers keep the fixed addresses a compiled step
     was traced with, so it refuses offloading."""
@@ -124,7 +167,7 @@ class _SinksPlaced:
         self.v_store.place_sinks(positions)
 
 
-class LatentDynamicLayer(_SinksPlaced, _RotaryLogOwner, DynamicLayer):
+class LatentDynamicLayer(_PrefillAsComputed, _SinksPlaced, _RotaryLogOwner, DynamicLayer):
     """A growing cache of one layer: each side's window in ``keys`` / ``values`` (latents
     ``(b, 1, n, r)``: the head axis keeps the seq axis at -2, so masks and
     ``get_seq_length`` work as for full keys), the rest in the store of its code
@@ -158,7 +201,7 @@ class LatentDynamicLayer(_SinksPlaced, _RotaryLogOwner, DynamicLayer):
         k, v = self.bases.compress(key_states, value_states)
         self.keys = self.k_store.append(self.keys, k)
         self.values = self.v_store.append(self.values, v)
-        return self.bases.expand(*self.latents())
+        return self._expanded(*self.latents(), key_states, value_states)
 
     def mark_dynamic(self) -> None:
         """Mark the axes that grow with the tokens (the windows' rows, the codes' groups)
@@ -283,7 +326,7 @@ class LatentSlidingLayer(LatentDynamicLayer, DynamicSlidingWindowLayer):
             k, v = k[..., -shown:, :], v[..., -shown:, :]
         if not self.record_past:
             self._slide(0)
-        return self.bases.expand(k, v)
+        return self._expanded(k, v, key_states, value_states)
 
     def _slide(self, removed: int) -> None:
         """Drop the ``removed`` newest tokens, then the oldest beyond the last
@@ -320,7 +363,8 @@ class LatentSlidingLayer(LatentDynamicLayer, DynamicSlidingWindowLayer):
         self.cumulative_length -= -tokens_to_remove
 
 
-class LatentStaticLayer(_SinksPlaced, _FixedAddresses, _RotaryLogOwner, StaticLayer):
+class LatentStaticLayer(_PrefillAsComputed, _SinksPlaced, _FixedAddresses, _RotaryLogOwner,
+                        StaticLayer):
     """A preallocated cache of one layer for ``max_cache_len`` tokens: each side's window
     (the whole buffer of an uncoded side) in ``keys`` / ``values``, its codes in the store of
     its code, written in place at the cache positions (``cumulative_length`` on), so a
@@ -370,7 +414,10 @@ class LatentStaticLayer(_SinksPlaced, _FixedAddresses, _RotaryLogOwner, StaticLa
         self.k_store.write(self.keys, k, positions, self.cumulative_length)
         self.v_store.write(self.values, v, positions, self.cumulative_length)
         self.cumulative_length.add_(tokens)
-        return self.bases.expand(*self.latents())
+        k, v = self.bases.expand(*self.latents())
+        if self._as_computed(tokens):  # a prefill: its own tokens as they came
+            k, v = k.index_copy(2, positions, key_states), v.index_copy(2, positions, value_states)
+        return k, v
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -387,7 +434,7 @@ class LatentStaticLayer(_SinksPlaced, _FixedAddresses, _RotaryLogOwner, StaticLa
             self._log().reset()
 
 
-class LatentStaticSlidingLayer(_FixedAddresses, StaticSlidingWindowLayer):
+class LatentStaticSlidingLayer(_PrefillAsComputed, _FixedAddresses, StaticSlidingWindowLayer):
     """A static sliding-window (or chunked) layer over stores: transformers'
     ``StaticSlidingWindowLayer`` semantics (``get_seq_length``, ``get_mask_sizes``, what
     ``update`` returns), each side held by the static store of its code in a **ring buffer**
@@ -458,12 +505,15 @@ class LatentStaticSlidingLayer(_FixedAddresses, StaticSlidingWindowLayer):
         k, v = self.bases.compress(key_states, value_states)
         if current + tokens <= window or (current >= window and tokens == 1):
             self._write(k, v)
-            if current + tokens <= window:
-                self.cumulative_length.add_(tokens)
-                sides = tuple(side.narrow(2, 0, window) for side in self._ring())
-            else:
-                sides = self._in_order(self._ring(), self.position - window, window)
-            return self.bases.expand(*sides)
+            if current + tokens > window:
+                return self.bases.expand(*self._in_order(self._ring(), self.position - window,
+                                                         window))
+            self.cumulative_length.add_(tokens)
+            k, v = self.bases.expand(*(side.narrow(2, 0, window) for side in self._ring()))
+            if self._as_computed(tokens):  # a prefill: its own tokens as they came
+                k = k.slice_scatter(key_states, dim=2, start=current, end=current + tokens)
+                v = v.slice_scatter(value_states, dim=2, start=current, end=current + tokens)
+            return k, v
         # more than the window holds: its last tokens as stored, then the new ones as they came
         kept = min(current, window - 1)
         old = self._in_order(self._ring(), self.position - kept, kept)

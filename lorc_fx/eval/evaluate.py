@@ -2,11 +2,13 @@
 
 - perplexity, full cache vs latent cache, **decoded** as ``generate`` reads the cache: each
   window's first ``decode_after`` in one forward through a fresh latent cache, then every
-  other token one at a time (``decode_after=None``: the whole window in one forward, every
-  token reading the cache as stored after it, which a cache that keeps its newest tokens in
-  full precision, or codes them only in blocks, reads otherwise than decoding does: such
-  figures are labelled **one forward**). The full cache is exact either way and is scored
-  in one forward;
+  other token one at a time, both scored on the tokens after the prompt (the prompt's
+  forward attends its own tokens as it computed them, as a prefill does: its predictions
+  are the full model's). ``decode_after=None``: the whole window in one forward, every
+  token read back as stored (``prefill_as_stored``), which a cache that keeps its newest
+  tokens in full precision, or codes them only in blocks, reads otherwise than decoding
+  does: such figures are labelled **one forward**. The full cache is exact either way and
+  is scored in one forward;
 - next-token agreement: how often the compressed model's argmax equals the full model's;
 - next-token KL divergence KL(full ‖ compressed), per token in nats, from both models'
   log-softmax in float64: perplexity alone can stay flat (or even improve) while the
@@ -158,28 +160,31 @@ def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
                   prompt: int | None = None) -> WindowScores:
     """Perplexity over ``windows``, through the plain forward or (``compressed``) a fresh
     latent cache per batch, each window's first ``prompt`` tokens in one forward and the rest
-    decoded one at a time (``decoded_logits``; ``None``: one forward). With ``reference`` (a
+    decoded one at a time (``decoded_logits``; ``None``: one forward, read back as stored),
+    scored on the tokens after the first ``prompt`` (every token but the first with ``None``;
+    the uncompressed model's the same with the same ``prompt``). With ``reference`` (a
     runner of the uncompressed model: its plain forward), every batch also runs through it,
     for next-token argmax agreement and KL divergence from it over the same positions."""
     device = next(model.parameters()).device
     total, count, cache_bytes, same, kl = 0.0, 0, 0, 0, 0.0
     cache_bits = cached_values = 0
+    first = 0 if prompt is None else prompt - 1  # the first logit scored
     for batch in windows.split(batch_size):
         batch = batch.to(device)
         if compressed:
-            cache = latent_cache(model)
+            cache = latent_cache(model, prefill_as_stored=prompt is None)
             logits = decoded_logits(model, batch, cache, prompt)
             cache_bytes += cache.cache_bytes()
             cache_bits += cache.cache_bits()
             cached_values += cache.cached_values()
         else:
             logits = model(batch, use_cache=False).logits
-        logits = logits[:, :-1].float()
+        logits, targets = logits[:, first:-1].float(), batch[:, first + 1:]
         total += float(torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
-        count += batch[:, 1:].numel()
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
+        count += targets.numel()
         if reference is not None:
-            full = reference(batch, use_cache=False).logits[:, :-1]
+            full = reference(batch, use_cache=False).logits[:, first:-1]
             same += int((logits.argmax(-1) == full.argmax(-1)).sum())
             kl += sum(float(next_token_kl(f, c).sum()) for f, c in zip(full, logits))  # a window
             # at a time: float64 log-probs of a 512-token window of a 49k vocabulary are 200 MB
@@ -244,7 +249,8 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
         comp_runner = torch.compile(model, backend=lorc_backend)
     seconds = {}
     start = time.perf_counter()
-    full_scores = score_windows(full_runner, windows, False, options.batch_size)
+    full_scores = score_windows(full_runner, windows, False, options.batch_size,
+                                prompt=options.prompt)
     seconds["ppl_full"] = time.perf_counter() - start
     if options.compile:
         torch._dynamo.reset()

@@ -5,7 +5,9 @@ bits per byte) over documents of a text's evaluation part. Nothing is downloaded
 The harness scores log-likelihoods through ``HFLM._model_call``, a plain forward, which a
 model prepared by ``lorc_fx.compress`` runs uncompressed (``compress`` changes only the
 cache ``generate`` builds). :class:`LatentCacheLM` is ``HFLM`` with that call made through a
-fresh latent cache, so every token attends to compressed keys and values as in decoding;
+fresh latent cache read back as stored (``prefill_as_stored``: a prefill would attend its own
+tokens as it computed them), so every token attends to compressed keys and values as in
+decoding;
 ``generate_until`` tasks need no change, since ``generate`` builds the latent cache itself.
 
 ``write_task`` writes the documents as JSON lines beside a task YAML, so the same task also
@@ -61,7 +63,8 @@ class LatentCacheLM(HFLM):
         if attn_mask is not None or labels is not None:
             raise ValueError("LatentCacheLM scores decoder-only models; this call is seq2seq")
         with torch.no_grad():
-            return self.model(inps, past_key_values=latent_cache(self.model),
+            return self.model(inps, past_key_values=latent_cache(self.model,
+                                                                 prefill_as_stored=True),
                               use_cache=True).logits
 
 

@@ -21,7 +21,10 @@ def through_cache(model: nn.Module, blocks: list[AttentionBlock], plan: Plan | N
     """Each batch of ``windows`` (on the model's device), the model's output on it and the
     fresh latent cache of ``plan`` it ran through (of ``blocks``, whose attention hands
     pre-RoPE latents their angles); without a plan, the model uncached and ``None``. Iterate
-    to the end: the attention is patched until then."""
+    to the end: the attention is patched until then.
+
+    The window's forward attends its tokens read back as stored (``prefill_as_stored``):
+    what a decode step reads, where a prefill would attend them as it computed them."""
     device = next(model.parameters()).device
     config = model.config.get_text_config(decoder=True)
     with angles_handed(model, blocks, plan):
@@ -30,5 +33,6 @@ def through_cache(model: nn.Module, blocks: list[AttentionBlock], plan: Plan | N
             if plan is None:
                 yield batch, model(batch, use_cache=False), None
             else:
-                cache = LatentCache.from_cache(DynamicCache(config=config), plan)
+                cache = LatentCache.from_cache(DynamicCache(config=config), plan,
+                                              prefill_as_stored=True)
                 yield batch, model(batch, use_cache=True, past_key_values=cache), cache

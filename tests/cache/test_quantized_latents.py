@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicCache
 
 from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
+from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.cache.stores.integer import IntegerStore
 from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.plan.options import PlanOptions
@@ -40,7 +41,7 @@ def ids_of(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 def logits(model, ids, **options):
     report = compress(model, 1.0, schedule="uniform", basis="weight", **options)
-    cache = latent_cache(model)
+    cache = latent_cache(model, prefill_as_stored=True)  # one forward reads the codes
     with torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True).logits
     return out, cache, report
@@ -76,6 +77,32 @@ def test_logits_stay_close_to_the_unquantized_latent_cache(model):
     err4 = (logits(model, ids, latent_bits=4, latent_group=16)[0] - reference).abs().max() / scale
     assert 0 < err8 < 0.01
     assert err8 < err4 < 0.25
+
+
+@pytest.mark.parametrize("rope", ["commute", "reconstruct"])
+def test_a_prefill_attends_its_own_tokens_as_computed_and_decoding_reads_the_codes(model, rope):
+    """A write of more than ``PREFILL_TOKENS`` tokens attends them as the model computed them
+    (its logits are the uncompressed model's) while the cache stores them as 4-bit codes; the
+    next step reads those codes. A shorter write, or ``prefill_as_stored``, reads its own
+    tokens back as stored."""
+    compress(model, 1.0, schedule="uniform", basis="weight", rope=rope, latent_bits=4,
+             latent_group=16)
+    ids = ids_of(2, PREFILL_TOKENS + 17)
+    prompt, step = ids[:, :-1], ids[:, -1:]
+    with torch.no_grad():
+        plain = model(ids, use_cache=False).logits
+        cache = latent_cache(model)
+        got = model(prompt, past_key_values=cache, use_cache=True).logits
+        assert cache.bits_per_value() < 16  # stored as codes
+        torch.testing.assert_close(got, plain[:, :-1], rtol=1e-5, atol=1e-5)
+        decoded = model(step, past_key_values=cache, use_cache=True).logits[:, -1]
+        assert 0 < (decoded - plain[:, -1]).abs().max() < 0.25 * plain.abs().max()
+        stored = model(prompt, past_key_values=latent_cache(model, prefill_as_stored=True),
+                       use_cache=True).logits
+        assert (stored - plain[:, :-1]).abs().max() > 1e-3
+        short = ids[:, :PREFILL_TOKENS]  # a decode-sized write: two groups coded, read so
+        assert (model(short, past_key_values=latent_cache(model), use_cache=True).logits
+                - plain[:, :PREFILL_TOKENS]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("bits, group, rope", [(8, 16, "commute"), (4, 32, "commute"),

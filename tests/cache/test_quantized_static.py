@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
-from lorc_fx.cache.layers import LatentStaticLayer
+from lorc_fx.cache.layers import PREFILL_TOKENS, LatentStaticLayer
 from lorc_fx.codes.integer import QuantizedTensor, QuantSpec, quantize
 from lorc_fx.cache.stores.integer_static import IntegerStaticStore
 from lorc_fx.compile.backend import lorc_backend
@@ -146,10 +146,14 @@ def test_layer_within_half_a_step_and_whole_groups_as_the_dynamic_layers(
             got_k, got_v = static.update(keys, values, 0)
             dynamic.update(keys, values, 0)
             k, v = layer.bases.compress(keys, values)  # the codec in the latents' dtype
+            before = 0 if exact_k is None else exact_k.shape[-2]
             exact_k = k if exact_k is None else torch.cat([exact_k, k], dim=-2)
             exact_v = v if exact_v is None else torch.cat([exact_v, v], dim=-2)
             assert got_k.shape[-2] == max_len  # attention reads the whole allocation
             want_k, want_v = layer.bases.expand(*layer.latents())
+            if step > PREFILL_TOKENS:  # a prefill attends its own tokens as they came
+                want_k[..., before:before + step, :] = keys
+                want_v[..., before:before + step, :] = values
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
         n = exact_k.shape[-2]
         assert int(static.get_seq_length()) == n == dynamic.get_seq_length()

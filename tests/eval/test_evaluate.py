@@ -65,7 +65,8 @@ def test_decode_after_is_checked_by_name(bad):
 
 def test_decoded_scores_read_the_cache_as_generate_does():
     """A full-width plan stores every key and value exactly: decoding the windows token by
-    token after a prompt scores them as one forward does, to float rounding; the next-token
+    token after a prompt scores the tokens after it as the uncompressed model does, and one
+    forward through the cache scores every token so, to float rounding; the next-token
     agreement and KL come with either."""
     from lorc_fx.api import compress
     from lorc_fx.eval.evaluate import score_windows
@@ -76,6 +77,10 @@ def test_decoded_scores_read_the_cache_as_generate_does():
     windows = torch.randint(3, VOCAB, (3, 24), generator=torch.Generator().manual_seed(0))
     one = score_windows(model, windows, True, reference=model)
     decoded = score_windows(model, windows, True, reference=model, prompt=5)
-    assert decoded.ppl == pytest.approx(one.ppl, rel=1e-5)
-    assert decoded.kl_mean == pytest.approx(one.kl_mean, abs=1e-7)
+    assert one.ppl == pytest.approx(score_windows(model, windows, False).ppl, rel=1e-5)
+    assert decoded.ppl == pytest.approx(score_windows(model, windows, False, prompt=5).ppl,
+                                        rel=1e-5)
+    assert decoded.ppl != pytest.approx(one.ppl, rel=1e-3)  # fewer tokens scored
+    assert decoded.kl_mean == pytest.approx(0, abs=1e-7)
+    assert one.kl_mean == pytest.approx(0, abs=1e-7)
     assert decoded.top1_agreement == one.top1_agreement == 1.0

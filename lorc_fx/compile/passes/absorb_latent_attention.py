@@ -39,6 +39,7 @@ from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXE
                                                  quantized_kv_attention, quantized_latent_attention,
                                                  quantized_rotary_latent_attention)
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
+from lorc_fx.cache.layers import PREFILL_TOKENS
 from .graph_utils import SDPA_TARGETS, erase_if_unused, fake, strip_repeat_kv
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -48,8 +49,9 @@ _ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style")
 _DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width",
                     "dtype")
 # query tokens up to which attention over pre-RoPE keys or quantized sides materialises its
-# scores
-MAX_DECODE_QUERY = 32
+# scores: the writes the latent cache reads back as stored (longer ones are prefills, which
+# attend their own tokens as computed: no side of theirs is codes alone)
+MAX_DECODE_QUERY = PREFILL_TOKENS
 
 
 def _bound(node: fx.Node, names: tuple[str, ...]) -> dict:
