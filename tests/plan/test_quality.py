@@ -117,7 +117,8 @@ def test_probe_leaves_attention_unchanged_and_value_error_is_exact(loaded):
             for drop in (spectrum.width - 1, 0):
                 keep = [i for i in range(spectrum.width) if i != drop]
                 codec = LatentCodec(None, spectrum.rows[keep].float(), KV_HEADS)
-                cache = LatentCache.from_codecs(DynamicCache(config=model.config), {0: codec})
+                cache = LatentCache.from_codecs(DynamicCache(config=model.config), {0: codec},
+                                                prefill_as_stored=True)  # read back
                 model(windows, past_key_values=cache, use_cache=True)
     finally:
         hook.remove()
