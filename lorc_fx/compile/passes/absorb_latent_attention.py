@@ -28,6 +28,10 @@ with the dequantization fused into its reductions; afterwards the graph holds no
 ``lorc.dequantize`` feeding that attention. Prefill keeps the forms above over the side
 dequantized (the op lowered to its maths). Codes of a width or layout those functions do
 not read (3 bits; keys per token) are left to that fallback too.
+
+A prefill (more than ``cache.layers.PREFILL_TOKENS`` incoming tokens) attends its own tokens
+as computed: its SDPA reads them concatenated after the earlier ones rebuilt (or alone), no
+pattern above, so it stays SDPA over the full keys and values.
 """
 from __future__ import annotations
 
