@@ -76,7 +76,7 @@ class EvalOptions:
     def scoring(self) -> str:
         """How the compressed model's windows were read, in words."""
         return ("one forward per window" if self.prompt is None else
-                f"decoded: {self.prompt} tokens in one forward, the rest one at a time")
+                f"decoded: {self.prompt} tokens in one forward, the rest one at a time and scored")
 
 
 @dataclass
