@@ -139,7 +139,13 @@ class _PrefillAsComputed:
         earlier = k.shape[-2] - incoming
         if earlier == 0:
             return key_states, value_states
-        k, v = self.bases.expand(k[..., :earlier, :], v[..., :earlier, :])
+        return self._stored_then_incoming(k[..., :earlier, :], v[..., :earlier, :],
+                                          key_states, value_states)
+
+    def _stored_then_incoming(self, k, v, key_states, value_states):
+        """The earlier tokens' latents ``k``, ``v`` rebuilt, then the incoming keys and values
+        as they came."""
+        k, v = self.bases.expand(k, v)
         return torch.cat([k, key_states], dim=-2), torch.cat([v, value_states], dim=-2)
 
 
@@ -521,8 +527,7 @@ class LatentStaticSlidingLayer(_PrefillAsComputed, _FixedAddresses, StaticSlidin
         if skip:  # tokens that leave the window at once: written from a whole group on
             self.position.add_(skip)
         self._write(k[..., skip:, :], v[..., skip:, :])
-        old = self.bases.expand(*old)
-        return (torch.cat([old[0], key_states], dim=-2), torch.cat([old[1], value_states], dim=-2))
+        return self._stored_then_incoming(*old, key_states, value_states)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
