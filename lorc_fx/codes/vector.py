@@ -28,6 +28,7 @@ This module imports nothing from lorc_fx but ``integer``'s packing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,8 +152,9 @@ def nearest(x: torch.Tensor, codewords: torch.Tensor, chunk: int = 4096) -> torc
     return idx.reshape(subs, -1, n).transpose(0, 1).reshape(*lead, subs, n)
 
 
-def encode(z: torch.Tensor, book: VectorBook) -> VectorCodes:
-    """The codes of a latent ``z (b, n, r)`` (``r`` the spec's width)."""
+def encode(z: torch.Tensor, book: VectorBook, assign: "Assign" = nearest) -> VectorCodes:
+    """The codes of a latent ``z (b, n, r)`` (``r`` the spec's width; ``assign`` as
+    :func:`indices` takes it)."""
     spec = book.spec
     if z.dim() != 3 or z.shape[-1] != spec.width:
         raise ValueError(f"encode takes a (batch, tokens, {spec.width}) latent, not "
@@ -162,17 +164,23 @@ def encode(z: torch.Tensor, book: VectorBook) -> VectorCodes:
     if pad:  # the last token repeated: a whole block, its bytes counted
         z = torch.cat([z, z[:, -1:].expand(-1, pad, -1)], dim=1)
     payload = []
-    for (*_, ib), idx in zip(spec.layout(), indices(z, book)):  # (b, S, blocks·BLOCK) each
+    for (*_, ib), idx in zip(spec.layout(), indices(z, book, assign)):  # (b, S, blocks·BLOCK)
         blocks = idx.reshape(*idx.shape[:-1], -1, BLOCK)
         payload.append(pack_bits(blocks, ib).flatten(-2))
     return VectorCodes(spec, tuple(payload), n)
 
 
-def indices(z: torch.Tensor, book: VectorBook) -> list[torch.Tensor]:
+def indices(z: torch.Tensor, book: VectorBook, assign: "Assign" = nearest) -> list[torch.Tensor]:
     """Each run's nearest-codeword indices of a latent ``z (b, n, r)``, ``(b, S, n)`` int64:
-    a token's indices depend on that token alone."""
-    return [nearest(_sub_vectors(z, first, subs, d), codewords)
-            for (first, subs, d, _), (codewords, _) in zip(book.spec.layout(), book.tables)]
+    a token's indices depend on that token alone (``assign``: the nearest codewords of
+    ``(S, samples, d)``, :func:`nearest` or a kernel computing the same)."""
+    out = []
+    for (first, subs, d, _), (codewords, _) in zip(book.spec.layout(), book.tables):
+        x = _sub_vectors(z, first, subs, d)  # (b, S, n, d)
+        b, _, n, _ = x.shape
+        idx = assign(x.transpose(0, 1).reshape(subs, b * n, d), codewords)
+        out.append(idx.reshape(subs, b, n).transpose(0, 1))
+    return out
 
 
 def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
@@ -188,13 +196,31 @@ def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def reconstruction(samples: torch.Tensor, book: VectorBook, assign: "Assign" = nearest
+                   ) -> torch.Tensor:
+    """Latents ``samples (n, r)`` as their codes decode (``decode(encode(...))`` without the
+    packing; ``assign`` as :func:`kmeans` takes it): ``(n, r)``."""
+    n = samples.shape[0]
+    x, parts = samples.float()[None], []
+    for (first, subs, d, _), (codewords, values) in zip(book.spec.layout(), book.tables):
+        idx = assign(_sub_vectors(x, first, subs, d)[0].contiguous(), codewords)  # (S, n)
+        parts.append(values.gather(1, idx[..., None].expand(-1, -1, d))
+                     .transpose(0, 1).reshape(n, subs * d))
+    return torch.cat(parts, dim=-1)
+
+
 # ---------------------------------------------------------------- fitting
 
-def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0) -> torch.Tensor:
+Assign = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # as :func:`nearest`
+
+
+def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0,
+           assign: Assign = nearest) -> torch.Tensor:
     """``count`` codewords for each of the ``S`` sample sets ``x (S, n, d)`` by Lloyd's
     algorithm (``n >= count``), started at the samples' quantiles in one dimension and at
     ``count`` distinct samples drawn with ``seed`` in more; a codeword no sample is nearest to
-    stays where it was. ``(S, count, d)``."""
+    stays where it was (``assign``: each sample's nearest codeword, :func:`nearest` or a
+    kernel computing the same). ``(S, count, d)``."""
     subs, n, d = x.shape
     if n < count:
         raise ValueError(f"{count} codewords need at least as many samples, not {n}")
@@ -205,7 +231,7 @@ def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0) -> torch
         start = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]
         books = x[:, start].clone()
     for _ in range(iters):
-        idx = nearest(x, books)
+        idx = assign(x, books)
         sums = torch.zeros_like(books).scatter_add_(1, idx[..., None].expand(-1, -1, d), x)
         counts = torch.zeros(subs, count, dtype=x.dtype).scatter_add_(
             1, idx, torch.ones(subs, n, dtype=x.dtype))
@@ -214,18 +240,18 @@ def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0) -> torch
 
 
 def fit(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = True,
-        iters: int = 15) -> VectorBook:
+        iters: int = 15, assign: Assign = nearest) -> VectorBook:
     """A book for ``spec`` fitted on calibration latents ``samples (n, r)`` (float32):
-    k-means per sub-vector; with ``keep_variance`` the reconstructions scaled about each
-    channel's mean to its variance on ``samples``."""
+    k-means per sub-vector (:func:`kmeans`, with ``assign``); with ``keep_variance`` the
+    reconstructions scaled about each channel's mean to its variance on ``samples``."""
     x = samples.float()[None]
     tables = []
     for first, subs, d, ib in spec.layout():
         sets = _sub_vectors(x, first, subs, d)[0].contiguous()  # (S, n, d)
-        codewords = kmeans(sets, 1 << ib, iters)
+        codewords = kmeans(sets, 1 << ib, iters, assign=assign)
         values = codewords
         if keep_variance:
-            rec = codewords.gather(1, nearest(sets, codewords)[..., None].expand(-1, -1, d))
+            rec = codewords.gather(1, assign(sets, codewords)[..., None].expand(-1, -1, d))
             mean = sets.mean(1, keepdim=True)
             spread = ((sets - mean) ** 2).sum(1, keepdim=True) / (
                 (rec - mean) ** 2).sum(1, keepdim=True).clamp_min(1e-30)

@@ -15,9 +15,7 @@ is ``zero + code·scale``):
   ``(b, hk, m, cg·Gc)``, ``Σ_n p·value``.
 
 Results are float32. The C++ kernel (``code_reductions.cpp``, its header says why it is written
-by hand) is built on first use with the C++ compiler Inductor uses, ``-O3 -march=native``,
-into Inductor's cache directory (``$TORCHINDUCTOR_CACHE_DIR``, a ``lorc`` folder), keyed by
-its source, flags, compiler and this CPU's feature flags, and loaded with ``ctypes``; it runs
+by hand) is built on first use (``kernels.native``: once per machine, loaded with ``ctypes``); it runs
 on CPU tensors with 8- or 4-bit codes in groups of a multiple of ``GROUP_MULTIPLE``
 (``native_applies``). Everywhere else the ops compute the same sums from the codes
 dequantized (the reference: float32 tensor maths; 2-, 4- or 8-bit codes), as they do where the kernel cannot be
@@ -27,64 +25,27 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
 from torch import Tensor
 from torch.library import custom_op
 
-log = logging.getLogger(__name__)
+from .native import build
 
 SOURCE = Path(__file__).with_name("code_reductions.cpp")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 NATIVE_BITS = (8, 4)
 GROUP_MULTIPLE = 32  # a group splits into whole vectors of codes, for 4 bits in each half
 ROWS = 3  # query rows of the kernel's register tile (its work buffers hold whole tiles)
 
 
-def _cpu_flags() -> str:
-    """This CPU's model and feature flags (``-march=native`` code may not run on another)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return "\n".join(dict.fromkeys(l for l in lines if l.startswith(("model name", "flags"))))
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per machine; None where it cannot be (then the ops use
-    the reference)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """The compiled kernel (``kernels.native``); None where it cannot be built (then the ops
+    use the reference)."""
+    lib = build(SOURCE, "decode attention over quantized codes")
+    if lib is None:
         return None
-    from torch._inductor.cpp_builder import get_cpp_compiler
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    compiler = get_cpp_compiler()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
-                                     compiler.encode(), _cpu_flags().encode()])).hexdigest()
-    path = Path(cache_dir()) / "lorc" / f"code_reductions-{key[:20]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        try:
-            built = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
-                                   capture_output=True, text=True)
-        except OSError as error:
-            built = subprocess.CompletedProcess([], 1, "", str(error))
-        if built.returncode:
-            log.warning("lorc_fx: the CPU decode kernels did not build (%s); decode attention "
-                        "over quantized codes keeps Inductor's loops: %s", compiler,
-                        built.stderr.strip()[-500:])
-            return None
-        os.replace(partial, path)
-        log.info("lorc_fx: built the CPU decode kernels into %s", path)
-    lib = ctypes.CDLL(str(path))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for name in ("lorc_code_scores", "lorc_code_sums"):
         getattr(lib, name).argtypes = [pointer] * 6 + [size] * 6 + [ctypes.c_int]

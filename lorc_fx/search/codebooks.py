@@ -22,8 +22,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.codes.vector import VectorBook, VectorSpec, decode, encode, fit
+from lorc_fx.codes.vector import VectorBook, VectorSpec, fit, reconstruction
 from lorc_fx.data.models import user_cache_dir
+from lorc_fx.kernels.nearest_codeword import nearest_codeword
 from lorc_fx.plan.calibration import model_fingerprint, sampling_key, save_atomic
 from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.sensitivity import Side
@@ -75,7 +76,8 @@ def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WID
         for key, x in samples.items():
             books[key] = {}
             for b in widths:
-                books[key][b] = fit(x, VectorSpec(((x.shape[1], b),), tuple_dims), iters=iters)
+                books[key][b] = fit(x, VectorSpec(((x.shape[1], b),), tuple_dims), iters=iters,
+                                    assign=nearest_codeword)
                 bar.update()
     return books
 
@@ -126,7 +128,7 @@ def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
     """The books fitted on the latents of ``full`` on ``windows`` and their coding errors
     there (:func:`fit_books`, :func:`coding_errors`), from the disk cache where these were
     fitted before under the same bases (``BASES_ATOL``): a later plan neither runs the
-    windows nor measures again (else fitted, ~20 min on 2 cores for the default model, and
+    windows nor measures again (else fitted, ~3.5 min at one thread for the default model, and
     written there, said once)."""
     path, bases = _books_file(model, full), _bases(full)
     if path.is_file():
@@ -156,6 +158,6 @@ def coding_errors(samples: dict[Side, torch.Tensor], books: Books
     out = {}
     for key, x in samples.items():
         power = (x.double() ** 2).sum(0).clamp_min(1e-30)
-        out[key] = {b: ((decode(encode(x[None], book), book)[0] - x).double() ** 2).sum(0) / power
-                    for b, book in books[key].items()}
+        out[key] = {b: ((reconstruction(x, book, nearest_codeword) - x).double() ** 2).sum(0)
+                    / power for b, book in books[key].items()}
     return out

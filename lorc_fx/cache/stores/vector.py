@@ -41,6 +41,7 @@ import torch
 
 from lorc_fx.codes.integer import splice
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode, encode
+from lorc_fx.kernels.nearest_codeword import nearest_codeword
 
 from .integer import SPARE_ROWS, with_spare_rows
 
@@ -125,7 +126,7 @@ class VectorStore:
         rows = (BLOCK - 1 + incoming) // BLOCK * BLOCK + BLOCK
         staged = torch.cat([grown, grown.new_zeros(*new.shape[:-2], rows, new.shape[-1])],
                            dim=-2).narrow(2, 0, rows)
-        fresh = encode(staged[:, 0].float(), self.book).payload
+        fresh = encode(staged[:, 0].float(), self.book, nearest_codeword).payload
         blocks = self.coded // BLOCK
         self.payload = tuple(splice(old, new_codes, -1, blocks * ib,
                                     (blocks + whole // BLOCK + SPARE_BLOCKS) * ib)

@@ -27,6 +27,7 @@ import torch
 
 from lorc_fx.codes.integer import pack_bits, unpack_bits
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode, indices
+from lorc_fx.kernels.nearest_codeword import nearest_codeword
 
 from .full import buffer
 
@@ -72,7 +73,7 @@ class VectorStaticStore:
         staged = (t + BLOCK - 1) // BLOCK + 1  # blocks a write from any offset reaches
         block = start // BLOCK + torch.arange(staged, device=states.device)
         at = start % BLOCK + torch.arange(t, device=states.device)
-        fresh = indices(states[:, 0].float(), self.book)
+        fresh = indices(states[:, 0].float(), self.book, nearest_codeword)
         for (*_, ib), codes, new in zip(self.book.spec.layout(), self.payload, fresh):
             held = unpack_bits(codes.index_select(2, block), ib).flatten(-2).long()
             held = held.index_copy(2, at, new)  # (b, S, staged·BLOCK)

@@ -1,0 +1,57 @@
+"""Building this package's hand-written C++ kernels: each source once per machine, with the
+C++ compiler Inductor uses, ``-O3 -march=native``, into Inductor's cache directory
+(``$TORCHINDUCTOR_CACHE_DIR``, a ``lorc`` folder), keyed by the source, the flags, the compiler
+and this CPU's feature flags (``-march=native`` code may not run on another), and loaded with
+``ctypes``. Where a kernel cannot be built (not x86-64, no compiler, no AVX2) the caller gets
+``None``, after a warning saying why, and computes the same thing with tensor maths."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+
+
+def _cpu_flags() -> str:
+    """This CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(dict.fromkeys(l for l in lines if l.startswith(("model name", "flags"))))
+
+
+def build(source: Path, purpose: str) -> ctypes.CDLL | None:
+    """The library compiled from ``source`` (built the first time on this machine), or None
+    where it cannot be, with one warning that the ``purpose`` keeps tensor maths."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    compiler = get_cpp_compiler()
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(),
+                                     compiler.encode(), _cpu_flags().encode()])).hexdigest()
+    path = Path(cache_dir()) / "lorc" / f"{source.stem}-{key[:20]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            built = subprocess.run([compiler, *FLAGS, str(source), "-o", str(partial)],
+                                   capture_output=True, text=True)
+        except OSError as error:
+            built = subprocess.CompletedProcess([], 1, "", str(error))
+        if built.returncode:
+            log.warning("lorc_fx: the CPU kernel %s did not build (%s); %s keeps tensor maths: "
+                        "%s", source.name, compiler, purpose, built.stderr.strip()[-500:])
+            return None
+        os.replace(partial, path)
+        log.info("lorc_fx: built the CPU kernel %s into %s", source.name, path)
+    return ctypes.CDLL(str(path))
