@@ -4,9 +4,14 @@ latents stored in the model's dtype or as 8- or 4-bit codes per channel over gro
 tokens; keys after RoPE (``commute``: absorbed at decode) or before it (``reconstruct``: the
 angle log kept, keys rebuilt every step).
 
-The search offers every RoPE mode at every latent width and group; with a calibrated basis
-and the calibrated schedule each measures its key/value split (``search.split``), once per
-mode and width (further group sizes reuse it).
+The search offers every RoPE mode at every latent width and group, narrowest width first;
+with a calibrated basis and the calibrated schedule each measures its key/value split
+(``search.split``), once per mode and width (further group sizes reuse it). At one budget a
+wider latent buys finer codes with fewer ranks; where the loss rose from one width to the
+next of a mode, a wider width still is not measured (``Skipped``): on the default model the
+loss rose from 4- to 8- to 16-bit latents in every mode at every budget from 1.92 to 4.5 bits
+per value, by 0.13 nats or more a step (bench/results/bits_pareto-cpu.md), and each width's
+split search took ~40 s at one thread.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers
 from lorc_fx.plan.scheme import LOW_RANK, Capabilities, Scheme, rank_table, register
-from lorc_fx.search.context import CALIBRATED_BASES, Candidate, SearchContext
+from lorc_fx.search.context import CALIBRATED_BASES, Candidate, SearchContext, Skipped
 from lorc_fx.search.split import held_out_loss, measured_split
 from torch import nn
 
@@ -28,11 +33,11 @@ class LowRank(Scheme):
     capabilities = Capabilities(static_cache=True, compiled_decode=True, shards=True)
 
     def candidates(self, search: SearchContext) -> list[Candidate]:
-        """Every RoPE mode at every latent width (below 16 bits at every group, the first
-        group first)."""
+        """Every RoPE mode at every latent width, narrowest first (below 16 bits at every
+        group, the first group first)."""
         return [Candidate(self._name(mode, bits, group), self.name,
                           partial(self._build, search, mode, bits, group), mode, bits, group)
-                for mode in search.modes for bits in search.widths
+                for mode in search.modes for bits in sorted(search.widths)
                 for group in (search.groups if bits != 16 else search.groups[:1])]
 
     @staticmethod
@@ -42,6 +47,7 @@ class LowRank(Scheme):
 
     def _build(self, search: SearchContext, rope: str, bits: int, group: int
                ) -> tuple[Plan, float | None]:
+        _skip_past_rising_loss(search, rope, bits)
         resolved, inputs, note = search.prepared(rope)
         # RoPE modes are compared where the basis is calibrated; bit widths always
         measured = search.measure and (resolved.basis in CALIBRATED_BASES or search.searched)
@@ -50,6 +56,9 @@ class LowRank(Scheme):
         plan, loss = planned(search.model, search.blocks, asked, inputs, note, measured)
         if len(search.groups) > 1:
             search.splits.setdefault((rope, bits), plan.options.key_fraction)
+        if loss is not None:
+            least = search.width_losses.get((rope, bits), loss)
+            search.width_losses[rope, bits] = min(least, loss)
         return plan, loss
 
     def how(self, plan: Plan) -> str:
@@ -70,6 +79,17 @@ class LowRank(Scheme):
             lines.append(f"latents stored as {o.latent_bits}-bit codes, per channel over groups "
                          f"of {o.latent_group} tokens (the last partial group in full precision)")
         return lines
+
+
+def _skip_past_rising_loss(search: SearchContext, rope: str, bits: int) -> None:
+    """Raise ``Skipped`` where the two narrower widths measured in mode ``rope`` lost more at
+    the wider of them."""
+    narrower = sorted(w for w in search.widths if w < bits)[-2:]
+    losses = [search.width_losses.get((rope, w)) for w in narrower]
+    if len(narrower) == 2 and None not in losses and losses[1] > losses[0]:
+        raise Skipped(f"low rank, {bits}-bit latents, rope={rope} not measured: "
+                      f"{narrower[1]}-bit latents lost {losses[1]:.4f} nats against "
+                      f"{narrower[0]}-bit ones' {losses[0]:.4f} (a wider latent buys fewer ranks)")
 
 
 def planned(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,

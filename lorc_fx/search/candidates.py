@@ -19,6 +19,7 @@ a key/value split search (minutes).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 from lorc_fx.plan.options import Budget
@@ -26,11 +27,13 @@ from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.scheme import SCHEMES
 from lorc_fx.plan.schedules import UnreachableFraction
 
-from .context import Candidate, SearchContext
+from .context import Candidate, SearchContext, Skipped
 
 # nats per token: a held-out loss this close to the uncompressed model's is ×1.002 perplexity
 # at most, below the spread between evaluation texts (bench/results/bits_pareto-cpu.md)
 NEGLIGIBLE_LOSS = 0.002
+
+log = logging.getLogger(__name__)
 
 
 def over_budget(plan: Plan) -> bool:
@@ -72,6 +75,9 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
             plan, loss = candidate.build()
         except UnreachableFraction as err:
             refused.append(err)
+            continue
+        except Skipped as why:
+            log.info("lorc_fx: %s", why)
             continue
         if len(listed) > 1 and over_budget(plan):  # compared at equal bytes only
             size = plan.budget.of(plan)

@@ -36,6 +36,11 @@ class Candidate:
     latent_group: int = LATENT_GROUPS[0]
 
 
+class Skipped(Exception):
+    """A candidate the search need not measure: those measured before it show that it loses
+    (its message says how)."""
+
+
 @dataclass
 class SearchContext:
     """``options`` as the search plans them (the calibration text usable, the shards and the
@@ -52,6 +57,8 @@ class SearchContext:
     calibrates: bool = False  # a basis or a target measured on calibration text
     # the keys' share measured per (rope, bits) at this budget, reused by further groups
     splits: dict[tuple[str, int], float] = field(default_factory=dict)
+    # the least held-out loss of a low-rank candidate per (rope, bits) at this budget
+    width_losses: dict[tuple[str, int], float] = field(default_factory=dict)
     # what does not depend on the budget, shared by the contexts ``at_budget`` makes
     _inputs: list[LayerInput] | None = None
     _declined: list[LayerInput] | None = None
@@ -72,7 +79,7 @@ class SearchContext:
         """The search at another cache fraction (the target's search measures several)."""
         options = replace(self.options, cache_fraction=cache_fraction, bits_per_value=None,
                           max_ppl_increase=None)
-        return replace(self, options=options, measure=measure, splits={})
+        return replace(self, options=options, measure=measure, splits={}, width_losses={})
 
     def layer_inputs(self) -> list[LayerInput]:
         """The layers' weights and layouts, with the layers transformers builds its own cache

@@ -138,7 +138,12 @@ def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model
     names = [c["candidate"] for c in measured]
     assert {f"plain KV quantization, {b}-bit, G{g}" for b in (8, 4) for g in (32, 64)} <= \
         set(names)
-    assert len(measured) == 9  # 16-bit, 8- and 4-bit latents in groups of 32 and 64, 4 plain
+    least = {b: min(c["loss"] for c in measured if c["scheme"] == "low_rank"
+                    and c["latent_bits"] == b) for b in (4, 8)}
+    # 8- and 4-bit latents in groups of 32 and 64, 4 plain, and 16-bit latents unless 8-bit
+    # ones lost more than 4-bit ones (a wider width still is not measured)
+    assert len(measured) == 8 + (least[8] <= least[4])
+    assert any(c["latent_bits"] == 16 for c in measured) == (least[8] <= least[4])
     assert measured[0]["loss"] == min(c["loss"] for c in measured)
     assert all(c["bits_per_value"] <= 9.5 + 0.5 for c in measured)
     assert math.isclose(held_out_loss(model, blocks, report.plan), measured[0]["loss"],
@@ -237,3 +242,27 @@ def test_vector_codes_are_refused_where_no_layer_caches_value_latents(model, tmp
     (vector,) = SCHEMES["vector"].candidates(search)
     with pytest.raises(UnreachableFraction, match="no layer caches value latents"):
         vector.build()
+
+
+def test_a_width_past_a_rising_loss_is_not_measured(model, tmp_path, monkeypatch):
+    """Low-rank widths are measured narrowest first per RoPE mode; where the loss rose from
+    4- to 8-bit latents the 16-bit candidate is skipped (said at INFO), where it fell it is
+    measured (losses made up: the rule, not the model, is tested)."""
+    from lorc_fx.schemes import low_rank
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("lorc_fx.search.planning.NEGLIGIBLE_LOSS", -math.inf)
+    for made_up, sixteen in (({4: 1.0, 8: 2.0, 16: 0.5}, False),
+                             ({4: 2.0, 8: 1.0, 16: 0.5}, True)):
+        order = []
+
+        def planned(model, blocks, options, inputs, note, measure, made_up=made_up):
+            order.append(options.latent_bits)
+            return plan_layers(inputs, options), made_up[options.latent_bits]
+
+        monkeypatch.setattr(low_rank, "planned", planned)
+        report = compress(model, bits_per_value=9.5, basis="weight", schedule="uniform",
+                          rope="commute", progress=False)
+        assert order == sorted(order)  # narrowest first
+        assert (16 in order) is sixteen
+        assert (report.plan.candidates[0]["latent_bits"] == 16) is sixteen
