@@ -152,7 +152,11 @@ def nearest(x: torch.Tensor, codewords: torch.Tensor, chunk: int = 4096) -> torc
     return idx.reshape(subs, -1, n).transpose(0, 1).reshape(*lead, subs, n)
 
 
-def encode(z: torch.Tensor, book: VectorBook, assign: "Assign" = nearest) -> VectorCodes:
+# the nearest codewords of (S, samples, d) among (S, K, d): nearest, or a kernel computing the same
+Assign = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def encode(z: torch.Tensor, book: VectorBook, assign: Assign = nearest) -> VectorCodes:
     """The codes of a latent ``z (b, n, r)`` (``r`` the spec's width; ``assign`` as
     :func:`indices` takes it)."""
     spec = book.spec
@@ -170,7 +174,7 @@ def encode(z: torch.Tensor, book: VectorBook, assign: "Assign" = nearest) -> Vec
     return VectorCodes(spec, tuple(payload), n)
 
 
-def indices(z: torch.Tensor, book: VectorBook, assign: "Assign" = nearest) -> list[torch.Tensor]:
+def indices(z: torch.Tensor, book: VectorBook, assign: Assign = nearest) -> list[torch.Tensor]:
     """Each run's nearest-codeword indices of a latent ``z (b, n, r)``, ``(b, S, n)`` int64:
     a token's indices depend on that token alone (``assign``: the nearest codewords of
     ``(S, samples, d)``, :func:`nearest` or a kernel computing the same)."""
@@ -196,7 +200,7 @@ def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def reconstruction(samples: torch.Tensor, book: VectorBook, assign: "Assign" = nearest
+def reconstruction(samples: torch.Tensor, book: VectorBook, assign: Assign = nearest
                    ) -> torch.Tensor:
     """Latents ``samples (n, r)`` as their codes decode (``decode(encode(...))`` without the
     packing; ``assign`` as :func:`kmeans` takes it): ``(n, r)``."""
@@ -210,9 +214,6 @@ def reconstruction(samples: torch.Tensor, book: VectorBook, assign: "Assign" = n
 
 
 # ---------------------------------------------------------------- fitting
-
-Assign = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # as :func:`nearest`
-
 
 def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0,
            assign: Assign = nearest) -> torch.Tensor:
