@@ -32,10 +32,11 @@ from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, pla
                                   plan_layers, value_energies)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
-from lorc_fx.plan.sensitivity import Side, latent_sensitivities
+from lorc_fx.plan.sensitivity import Side
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.candidates import over_budget
-from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, coded_sides, fitted_books
+from lorc_fx.search.codebooks import (TUPLE_DIMS, WIDTHS, coded_sides, fitted_books,
+                                      measured_sensitivities)
 from lorc_fx.search.context import Candidate, SearchContext
 from lorc_fx.search.split import held_out_loss
 
@@ -182,7 +183,7 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
     books, rho = fitted_books(model, blocks, full, windows)
     weightings = {"the spectra's energies": None}
-    sensitivities = latent_sensitivities(model, blocks, full, coded_sides(full), windows)
+    sensitivities = measured_sensitivities(model, blocks, full, windows)
     if sensitivities is not None:
         weightings["the loss's sensitivities"] = sensitivities
     best = None

@@ -27,7 +27,7 @@ from lorc_fx.data.models import user_cache_dir
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
 from lorc_fx.plan.calibration import model_fingerprint, sampling_key, save_atomic
 from lorc_fx.plan.planner import Plan
-from lorc_fx.plan.sensitivity import Side
+from lorc_fx.plan.sensitivity import Side, latent_sensitivities
 
 from .windows import through_cache
 
@@ -161,3 +161,25 @@ def coding_errors(samples: dict[Side, torch.Tensor], books: Books
         out[key] = {b: ((reconstruction(x, book, nearest_codeword) - x).double() ** 2).sum(0)
                     / power for b, book in books[key].items()}
     return out
+
+
+def measured_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                           windows: torch.Tensor) -> dict[Side, torch.Tensor] | None:
+    """:func:`~lorc_fx.plan.sensitivity.latent_sensitivities` of every coded side of ``full``
+    on ``windows``, from the disk cache beside the books where measured before under the same
+    bases (else measured, a forward and backward per batch of windows: ~1 min at one thread
+    on the default model, and written there)."""
+    books = _books_file(model, full)
+    path, bases = books.with_name(books.name.replace("vector-", "sensitivity-")), _bases(full)
+    if path.is_file():
+        data = torch.load(path, weights_only=True)
+        if _fitted_under(data, bases):
+            return {(layer, side): data["sensitivities"][f"{layer}/{side}"]
+                    for layer, side in coded_sides(full)}
+    measured = latent_sensitivities(model, blocks, full, coded_sides(full), windows)
+    if measured is not None:
+        save_atomic({"sensitivities": {f"{layer}/{side}": weight
+                                       for (layer, side), weight in measured.items()},
+                     "bases": bases}, path)
+        log.info("vector codes: the loss's sensitivities kept in %s", path)
+    return measured

@@ -43,6 +43,33 @@ def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch
     assert any("not those the cached codebooks" in r.getMessage() for r in caplog.records)
 
 
+def test_sensitivities_are_measured_once_under_the_same_bases(tmp_path, monkeypatch):
+    """The loss's sensitivities are kept beside the books: a later plan under the same bases
+    reads them back, one under moved bases measures them again; a side without them (None)
+    writes nothing."""
+    full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
+    monkeypatch.setattr(codebooks, "_books_file", lambda model, plan: tmp_path / "vector-x.pt")
+    measured = []
+
+    def sensitivities(model, blocks, plan, sides, windows):
+        measured.append(1)
+        return {side: torch.rand(16, dtype=torch.float64) for side in sides}
+
+    monkeypatch.setattr(codebooks, "latent_sensitivities", sensitivities)
+    first = codebooks.measured_sensitivities(None, [], full, None)
+    again = codebooks.measured_sensitivities(None, [], full, None)
+    assert len(measured) == 1 and (tmp_path / "sensitivity-x.pt").is_file()
+    assert first.keys() == again.keys() and all(torch.equal(first[s], again[s]) for s in first)
+    moved = [replace(l, k_basis=l.k_basis.flip(0)) for l in full.layers]
+    codebooks.measured_sensitivities(None, [], replace(full, layers=moved), None)
+    assert len(measured) == 2
+
+    (tmp_path / "sensitivity-x.pt").unlink()
+    monkeypatch.setattr(codebooks, "latent_sensitivities", lambda *args: None)
+    assert codebooks.measured_sensitivities(None, [], full, None) is None
+    assert not (tmp_path / "sensitivity-x.pt").exists()
+
+
 def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
     """The same books and errors, the weight of one layer's channels ×1000 then the other's:
     the heavier layer's latents get more bits each time, within the same budget."""
