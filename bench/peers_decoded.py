@@ -137,7 +137,7 @@ def main() -> None:
             rows[name] = score(compressed, windows, lambda m=compressed: lorc_fx.latent_cache(m),
                                lambda cache: cache.bits_per_value())
             write(doc, args.stem)
-        for nbits in map(int, args.quanto.split(",")):
+        for nbits in (int(b) for b in args.quanto.split(",") if b):
             rows[f"quanto int{nbits}"] = score(
                 model, windows, lambda n=nbits: QuantizedCache("quanto", config, nbits=n),
                 quanto_bits)
