@@ -221,16 +221,15 @@ def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0,
     algorithm (``n >= count``), started at the samples' quantiles in one dimension and at
     ``count`` distinct samples drawn with ``seed`` in more; a codeword no sample is nearest to
     stays where it was (``assign``: each sample's nearest codeword, :func:`nearest` or a
-    kernel computing the same). ``(S, count, d)``."""
+    kernel computing the same; in one dimension :func:`_scalar_lloyd` needs none).
+    ``(S, count, d)``."""
     subs, n, d = x.shape
     if n < count:
         raise ValueError(f"{count} codewords need at least as many samples, not {n}")
-    if d == 1:  # drawn samples may fall together where a channel is dense; quantiles spread
-        at = (torch.arange(count, dtype=x.dtype) + 0.5) / count
-        books = torch.quantile(x[..., 0], at, dim=1).T[..., None].contiguous()
-    else:
-        start = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]
-        books = x[:, start].clone()
+    if d == 1:
+        return _scalar_lloyd(x[..., 0], count, iters)[..., None]
+    start = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]
+    books = x[:, start].clone()
     for _ in range(iters):
         idx = assign(x, books)
         sums = torch.zeros_like(books).scatter_add_(1, idx[..., None].expand(-1, -1, d), x)
@@ -238,6 +237,31 @@ def kmeans(x: torch.Tensor, count: int, iters: int = 15, seed: int = 0,
             1, idx, torch.ones(subs, n, dtype=x.dtype))
         books = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], books)
     return books
+
+
+def _scalar_lloyd(x: torch.Tensor, count: int, iters: int) -> torch.Tensor:
+    """``count`` levels for each row of samples ``x (S, n)`` by Lloyd's algorithm, started at
+    the samples' quantiles (drawn samples may fall together where a channel is dense;
+    quantiles spread). A level's samples lie between the midpoints to its neighbours (a
+    sample on a midpoint with the lower level, as :func:`nearest` assigns it), so with the
+    samples sorted once a step finds the midpoints' places and each level's sum from prefix
+    sums, instead of a distance per sample and level. The levels stay sorted: each new one is
+    a mean of samples between its old midpoints, or the old level where there are none."""
+    xs = x.sort(dim=1).values.contiguous()
+    at = (torch.arange(count, dtype=torch.float64) + 0.5) / count * (x.shape[1] - 1)
+    below = at.long()  # torch.quantile's linear interpolation between order statistics
+    above = (below + 1).clamp_max(x.shape[1] - 1)
+    levels = xs[:, below] + (at - below).to(x.dtype) * (xs[:, above] - xs[:, below])
+    prefix = torch.nn.functional.pad(xs.double().cumsum(1), (1, 0))  # (S, n + 1)
+    first = torch.zeros(x.shape[0], 1, dtype=torch.long)
+    last = torch.full_like(first, x.shape[1])
+    for _ in range(iters):
+        mids = ((levels[:, 1:] + levels[:, :-1]) / 2).contiguous()
+        bounds = torch.cat([first, torch.searchsorted(xs, mids, right=True), last], dim=1)
+        counts = bounds.diff(dim=1)
+        sums = prefix.gather(1, bounds[:, 1:]) - prefix.gather(1, bounds[:, :-1])
+        levels = torch.where(counts > 0, (sums / counts.clamp_min(1)).to(levels.dtype), levels)
+    return levels
 
 
 def fit(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = True,

@@ -96,6 +96,26 @@ def test_kmeans_finds_well_separated_clusters():
     assert err < 1e-3
 
 
+@pytest.mark.parametrize("iters", (0, 1, 4))
+def test_scalar_lloyd_steps_as_the_nearest_level_assigns(iters):
+    """In one dimension k-means sorts the samples once and sums between midpoints; each step
+    is the generic one (every sample to its nearest level, :func:`nearest`, the means kept
+    where a level has samples) from the same quantile start, and the levels stay sorted."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 500, 1, generator=gen) * torch.tensor([1.0, 4.0, 0.1])[:, None, None]
+    x[0, :200] = 0.5  # a dense channel: equal quantiles, levels without samples
+    at = (torch.arange(8, dtype=x.dtype) + 0.5) / 8
+    want = torch.quantile(x[..., 0], at, dim=1).T[..., None].contiguous()
+    for _ in range(iters):
+        idx = nearest(x, want)
+        sums = torch.zeros_like(want).scatter_add_(1, idx[..., None], x)
+        counts = torch.zeros(3, 8).scatter_add_(1, idx, torch.ones(3, 500))
+        want = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], want)
+    got = kmeans(x, 8, iters=iters)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert (got.diff(dim=1) >= 0).all()
+
+
 def test_fit_lowers_the_error_of_its_start_and_keeps_variance():
     gen = torch.Generator().manual_seed(1)
     samples = torch.randn(2000, 16, generator=gen) * torch.linspace(3, 0.1, 16)
