@@ -189,27 +189,27 @@ def indices(z: torch.Tensor, book: VectorBook, assign: Assign = nearest) -> list
 
 def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
     """The latent ``(b, tokens, r)`` the codes stand for, in the reconstructions' dtype."""
-    parts = []
-    for (_, subs, d, ib), (_, values), packed in zip(codes.spec.layout(), book.tables,
-                                                    codes.payload):
+    idx = []
+    for (*_, ib), packed in zip(codes.spec.layout(), codes.payload):
         blocks = packed.reshape(*packed.shape[:-1], -1, ib)  # a block's 8 indices in ib bytes
-        idx = unpack_bits(blocks, ib).flatten(-2).long()[..., :codes.tokens]  # (b, S, n)
-        b, _, n = idx.shape
-        gathered = values[torch.arange(subs, device=idx.device)[:, None], idx]  # (b, S, n, d)
-        parts.append(gathered.transpose(1, 2).reshape(b, n, subs * d))
-    return torch.cat(parts, dim=-1)
+        idx.append(unpack_bits(blocks, ib).flatten(-2).long()[..., :codes.tokens])  # (b, S, n)
+    return _rebuilt(idx, book)
 
 
 def reconstruction(samples: torch.Tensor, book: VectorBook, assign: Assign = nearest
                    ) -> torch.Tensor:
     """Latents ``samples (n, r)`` as their codes decode (``decode(encode(...))`` without the
-    packing; ``assign`` as :func:`kmeans` takes it): ``(n, r)``."""
-    n = samples.shape[0]
-    x, parts = samples.float()[None], []
-    for (first, subs, d, _), (codewords, values) in zip(book.spec.layout(), book.tables):
-        idx = assign(_sub_vectors(x, first, subs, d)[0].contiguous(), codewords)  # (S, n)
-        parts.append(values.gather(1, idx[..., None].expand(-1, -1, d))
-                     .transpose(0, 1).reshape(n, subs * d))
+    packing; ``assign`` as :func:`indices` takes it): ``(n, r)``."""
+    return _rebuilt(indices(samples.float()[None], book, assign), book)[0]
+
+
+def _rebuilt(idx: list[torch.Tensor], book: VectorBook) -> torch.Tensor:
+    """The latent ``(b, n, r)`` of each run's indices ``(b, S, n)``: their reconstructions."""
+    parts = []
+    for (_, subs, d, _), (_, values), run in zip(book.spec.layout(), book.tables, idx):
+        b, _, n = run.shape
+        gathered = values[torch.arange(subs, device=run.device)[:, None], run]  # (b, S, n, d)
+        parts.append(gathered.transpose(1, 2).reshape(b, n, subs * d))
     return torch.cat(parts, dim=-1)
 
 

@@ -60,8 +60,10 @@ def nearest_codeword(x: Tensor, codewords: Tensor) -> Tensor:
     out = torch.empty(subs, n, dtype=torch.int64)
     if n == 0:
         return out
-    _library().lorc_nearest(rows.data_ptr(), scaled.data_ptr(), norms.contiguous().data_ptr(),
-                            out.data_ptr(), subs, n, d, books.shape[1], torch.get_num_threads())
+    if _library().lorc_nearest(rows.data_ptr(), scaled.data_ptr(), norms.data_ptr(),
+                               out.data_ptr(), subs, n, d, books.shape[1],
+                               torch.get_num_threads()):
+        raise RuntimeError(f"lorc_nearest does not take sub-vectors of {d} channels")
     return out
 
 

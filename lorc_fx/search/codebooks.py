@@ -89,8 +89,9 @@ def _bases(full: Plan) -> dict[str, torch.Tensor]:
             for layer, side in coded_sides(full)}
 
 
-def _books_file(model: nn.Module, full: Plan):
-    """Where the books of ``model`` fitted on the latents of ``full`` are cached: keyed by the
+def _books_file(model: nn.Module, full: Plan, what: str = "vector"):
+    """Where the books of ``model`` fitted on the latents of ``full`` are cached (``what``:
+    ``"vector"``; ``"sensitivity"``, the loss's sensitivities beside them): keyed by the
     model and the calibration text (the bases they were fitted under are kept in the file and
     compared on reading: their bytes vary with the thread count)."""
     key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
@@ -98,7 +99,7 @@ def _books_file(model: nn.Module, full: Plan):
                       **sampling_key(full.options.calibration), "basis": full.options.basis,
                       "rope": full.options.rope, "widths": WIDTHS, "tuple_dims": TUPLE_DIMS,
                       "iters": FIT_ITERATIONS}, sort_keys=True)
-    return user_cache_dir() / "calibration" / f"vector-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+    return user_cache_dir() / "calibration" / f"{what}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
 
 
 def _fitted_under(data: dict, bases: dict[str, torch.Tensor]) -> bool:
@@ -169,8 +170,7 @@ def measured_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full:
     on ``windows``, from the disk cache beside the books where measured before under the same
     bases (else measured, a forward and backward per batch of windows: ~1 min at one thread
     on the default model, and written there)."""
-    books = _books_file(model, full)
-    path, bases = books.with_name(books.name.replace("vector-", "sensitivity-")), _bases(full)
+    path, bases = _books_file(model, full, "sensitivity"), _bases(full)
     if path.is_file():
         data = torch.load(path, weights_only=True)
         if _fitted_under(data, bases):

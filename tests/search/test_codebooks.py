@@ -48,7 +48,8 @@ def test_sensitivities_are_measured_once_under_the_same_bases(tmp_path, monkeypa
     reads them back, one under moved bases measures them again; a side without them (None)
     writes nothing."""
     full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
-    monkeypatch.setattr(codebooks, "_books_file", lambda model, plan: tmp_path / "vector-x.pt")
+    monkeypatch.setattr(codebooks, "_books_file",
+                        lambda model, plan, what="vector": tmp_path / f"{what}-x.pt")
     measured = []
 
     def sensitivities(model, blocks, plan, sides, windows):
