@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 
 import lorc_fx.schemes  # noqa: F401  (registers the storage schemes)
 from lorc_fx.analysis import analyze
-from lorc_fx.analysis.cache_probe import probe_cache
+from lorc_fx.analysis.cache_probe import own_cache_class, probe_cache
 from lorc_fx.analysis.capture import NoTokenInputs, NotTraceable
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import install, layers_kept_as_built
@@ -53,14 +53,17 @@ def compressible(model: nn.Module, blocks: list[AttentionBlock]) -> bool:
     """Whether any block is supported and writes a cache layer the latent cache replaces
     (not one transformers builds its own kind of: linear attention, a model's own layer
     class, ...). Raises :class:`NoAttentionFound` where a forward shows the model caching in
-    a class of its own (MiniMax) or leaving the cache without keys and values (XLM)."""
+    a class of its own that lorc_fx cannot build (MiniMax's it can: ``own_cache_class``) or
+    leaving the cache without keys and values (XLM)."""
     kept = layers_kept_as_built(getattr(model, "config", None))
     if not any(b.supported and b.layer not in kept for b in blocks):
         return False
     probe = probe_cache(model)
-    if probe is not None and probe.cache_class not in (DynamicCache, None):
+    if probe is not None and probe.cache_class not in (DynamicCache, None, own_cache_class(model)):
         raise NoAttentionFound(model, blocks, f"it caches in a class of its own "
-                               f"({probe.cache_class.__name__}), which lorc_fx does not replace")
+                               f"({probe.cache_class.__name__}), which lorc_fx cannot build (it "
+                               "builds a DynamicCache subclass that adds transformers' "
+                               "DynamicLayer as each is written)")
     if probe is not None and not probe.layers:
         raise NoAttentionFound(model, blocks, "its cache holds no keys and values after a "
                                "forward (the model keeps them its own way, or none)")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .capture import synthetic_input_ids
 
@@ -36,6 +36,45 @@ class CacheProbe:
 
     cache_class: type | None
     layers: list[CachedLayer]
+
+
+@torch.no_grad()
+def own_cache_class(model: nn.Module) -> type[DynamicCache] | None:
+    """The cache class of a model that caches in a class of its own, where lorc_fx can build
+    one: ``generate`` builds no cache for the model (``_supports_default_dynamic_cache``), a
+    forward without one builds a ``DynamicCache`` subclass, and that class builds with no
+    arguments a cache that adds transformers' ``DynamicLayer`` as each is first written (as
+    MiniMax's; the latent cache adds latent layers instead). ``None`` otherwise
+    (transformers' ``DynamicCache`` serves, or nothing lorc_fx can build does).
+    Found once per model (one short forward) and kept on it."""
+    if "_lorc_own_cache" not in vars(model):
+        own = None
+        supports_default = getattr(type(model), "_supports_default_dynamic_cache", None)
+        if supports_default is not None and not supports_default():
+            probe = probe_cache(model)
+            cls = None if probe is None else probe.cache_class
+            if cls is not None and issubclass(cls, DynamicCache) and cls is not DynamicCache \
+                    and _builds_lazily(cls):
+                own = cls
+        vars(model)["_lorc_own_cache"] = own
+    return vars(model)["_lorc_own_cache"]
+
+
+def _builds_lazily(cls: type[DynamicCache]) -> bool:
+    try:
+        fresh = cls()
+    except Exception:  # noqa: BLE001  (a class needing arguments: lorc_fx cannot build it)
+        return False
+    return not fresh.layers and fresh.layer_class_to_replicate is DynamicLayer
+
+
+def fresh_cache(model: nn.Module) -> DynamicCache:
+    """An empty cache for ``model``'s forward: its own class (:func:`own_cache_class`) where it
+    has one, else transformers' ``DynamicCache`` of its config."""
+    own = own_cache_class(model)
+    if own is not None:
+        return own()
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
 @torch.no_grad()

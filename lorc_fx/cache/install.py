@@ -2,7 +2,8 @@
 
 ``install(model, plan, blocks)`` is all ``lorc_fx.compress`` changes on a model: it keeps
 the plan on the model, wraps ``_prepare_cache_for_generation`` so the fresh
-``DynamicCache``/``StaticCache`` that ``generate`` builds becomes a :class:`LatentCache`
+``DynamicCache``/``StaticCache`` that ``generate`` builds (or the model's own cache class, which
+it leaves to the model) becomes a :class:`LatentCache`
 (static where the model is compiled and the caller chose no cache: it decodes faster),
 wraps ``prepare_inputs_for_generation`` so that cache's growing axes are marked dynamic
 before every step (one compiled decode graph), and, for keys cached before RoPE, puts a forward pre-hook on each attention module that
@@ -21,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.generation.configuration_utils import GenerationMode
 
+from lorc_fx.analysis.cache_probe import fresh_cache, own_cache_class
 from lorc_fx.analysis.records import AttentionBlock, attention_module
 from lorc_fx.plan.planner import Plan, process_plan
 
@@ -34,9 +36,15 @@ def latent_cache(model: nn.Module, max_cache_len: int | None = None,
     """A fresh latent cache for a compressed model (dynamic, or static with ``max_cache_len``);
     ``prefill_as_stored``: a prefill attends its own tokens read back as stored, not as it
     computed them (``LatentCache.from_cache``)."""
-    config = model.config.get_text_config(decoder=True)
-    base = (DynamicCache(config=config) if max_cache_len is None
-            else StaticCache(config=config, max_cache_len=max_cache_len))
+    if max_cache_len is None:
+        base = fresh_cache(model)
+    elif own_cache_class(model) is not None:
+        raise ValueError(f"{type(model).__name__} caches in a class of its own "
+                         f"({own_cache_class(model).__name__}), which has no static form: use "
+                         "the dynamic cache")
+    else:
+        base = StaticCache(config=model.config.get_text_config(decoder=True),
+                           max_cache_len=max_cache_len)
     return LatentCache.from_cache(base, model._lorc_plan, prefill_as_stored)
 
 
@@ -91,6 +99,7 @@ def _static_is_faster(model, generation_config, model_kwargs, generation_mode) -
             and generation_mode in _STATIC_SAFE_MODES
             and model._lorc_plan.scheme.capabilities.static_cache
             and static_latent_layers(model.config)
+            and own_cache_class(model) is None
             and (model._lorc_plan.options.shards or 1) == 1)  # sharded: static untested
 
 
@@ -107,9 +116,13 @@ def _prepare_latent_cache(self, generation_config, model_kwargs, generation_mode
         generation_config.cache_implementation = "static"  # generate's own copy of the config
     type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs,
                                              generation_mode, *args, **kwargs)
+    own = own_cache_class(self)
+    if own is not None and generation_config.use_cache is not False \
+            and model_kwargs.get("past_key_values") is None:
+        model_kwargs["past_key_values"] = own()  # generate builds none: the forward would
     cache = model_kwargs.get("past_key_values")
     if cache is not None and not getattr(cache, "_is_user_defined", False) \
-            and type(cache) in (DynamicCache, StaticCache):
+            and type(cache) in (DynamicCache, StaticCache, own):
         model_kwargs["past_key_values"] = cache = LatentCache.from_cache(cache, self._lorc_plan)
         mask = model_kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -145,6 +158,7 @@ def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
     tensor-parallel process caches its own shard's (``_lorc_plan``), and keeps the whole
     plan (``_lorc_whole_plan``) to save."""
     model._lorc_whole_plan = plan
+    own_cache_class(model)  # found now, before a compile: generate asks it every call
     model._lorc_plan = plan = process_plan(plan, blocks)
     limits = plan.scheme.limits()
     if limits:

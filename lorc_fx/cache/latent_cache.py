@@ -2,6 +2,7 @@
 layer and the given layers elsewhere."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -88,11 +89,19 @@ LatentLayer = LatentDynamicLayer | LatentStaticLayer | LatentStaticSlidingLayer
 
 
 class LatentCache(Cache):
-    """Latent layers where a plan compresses a layer, the given layers elsewhere."""
+    """Latent layers where a plan compresses a layer, the given layers elsewhere.
 
-    def __init__(self, layers: list, rotary: RotaryLog | None = None):
-        super().__init__(layers=layers)
+    A fresh cache that adds its layers as they are first written (a model's own cache class,
+    as MiniMax's: ``analysis.cache_probe.own_cache_class``) becomes an instance of that class
+    with this one mixed in (:func:`_latent_class`): the model's class keeps its own state and
+    methods, and each layer it adds is latent where the plan compresses it
+    (:class:`_LatentReplicas`)."""
+
+    def __init__(self, layers: list | None = None, rotary: RotaryLog | None = None,
+                 **cache_kwargs):
+        super().__init__(layers=layers, **cache_kwargs)
         self.rotary = rotary
+        self.sink_positions: torch.Tensor | None = None
 
     @classmethod
     def from_cache(cls, cache: Cache, plan: Plan, prefill_as_stored: bool = False
@@ -114,52 +123,24 @@ class LatentCache(Cache):
         """Swap each plain dynamic/static layer of a fresh ``cache`` that ``bases`` covers for
         a :class:`LatentDynamicLayer` / :class:`LatentStaticLayer`, its sides stored as
         ``codes`` say (default: in the model's dtype); ``prefill_as_stored`` as
-        :meth:`from_cache`."""
+        :meth:`from_cache`. A ``cache`` of a class of its own that adds its layers as they
+        are first written gives a latent cache of that class that does the same."""
         static = [l for l in cache.layers if type(l) is StaticLayer]
-        codes = codes or {}
-        styles = {(b.rope_style, b.rotary_dim) for b in bases.values() if b.rope_style}
-        rotary = None
-        if styles:
-            style, rotary_dim = styles.pop()
-            rotary = RotaryLog(style, static[0].max_cache_len if static else None, rotary_dim)
-        layers, log_owner = [], None
-        for i, layer in enumerate(cache.layers):
-            k_code, v_code = codes.get(i, (None, None))
-            kind = type(layer)
-            sliding = kind is StaticSlidingWindowLayer or kind in _SLIDING_LAYERS
-            if i in bases and sliding and VectorBook in (type(k_code), type(v_code)):
-                raise ValueError(f"layer {i}: a sliding-window layer cannot hold vector codes")
-            states = {"number_of_states": layer.number_of_states} \
-                if isinstance(layer, LinearAttentionLayer) else {}
-            if i not in bases:
-                pass
-            elif kind is StaticSlidingWindowLayer and (k_code is not None or v_code is not None):
-                layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
-                                                 bases[i], k_code, v_code)
-            elif kind in _SLIDING_LAYERS:
-                layer = _SLIDING_LAYERS[kind](layer.sliding_window, bases[i], k_code, v_code,
-                                              **states)
-            elif kind is StaticLayer or kind in _FULL_LAYERS:
-                b = bases[i]
-                if b.rope_style:
-                    b = replace(b, rotary=rotary)
-                    log_owner = i if log_owner is None else log_owner
-                owns = log_owner == i
-                layer = (LatentStaticLayer(layer.max_cache_len, b, k_code, v_code, owns)
-                         if kind is StaticLayer
-                         else _FULL_LAYERS[kind](b, k_code, v_code, owns, **states))
-            elif isinstance(layer, StaticLayer) and kind is not StaticSlidingWindowLayer:
-                raise ValueError(f"layer {i}: transformers' {kind.__name__} has no static "
-                                 "latent counterpart yet: generate this model with the dynamic "
-                                 "cache (cache_implementation='dynamic')")
-            if prefill_as_stored and hasattr(layer, "prefill_as_stored"):  # a latent one
-                layer.prefill_as_stored = True
-            layers.append(layer)
-        return cls(layers, rotary)
+        replicas = _LatentReplicas(bases, codes or {}, prefill_as_stored,
+                                   _rotary_log(bases, static[0].max_cache_len if static else None))
+        if not cache.layers and cache.layer_class_to_replicate is not None:
+            lazy = _latent_class(type(cache))()
+            replicas.build, lazy.layer_class_to_replicate = lazy.layer_class_to_replicate, replicas
+            replicas.cache, lazy.rotary = lazy, replicas.rotary
+            return lazy
+        return cls([replicas.latent(i, layer) for i, layer in enumerate(cache.layers)],
+                   replicas.rotary)
 
     def place_sinks(self, positions: torch.Tensor) -> None:
         """Where each row's first token sits (``(b,)``, after its left padding): what stores
-        that keep a sink keep in full precision (``stores.vector``)."""
+        that keep a sink keep in full precision (``stores.vector``); layers added later (a
+        lazily built cache) get them too."""
+        self.sink_positions = positions
         for layer in self.layers:
             if isinstance(layer, (LatentDynamicLayer, LatentStaticLayer)):
                 layer.place_sinks(positions)
@@ -221,3 +202,75 @@ class LatentCache(Cache):
         ``cached_values``); 0.0 for an empty cache."""
         values = self.cached_values()
         return self.cache_bits() / values if values else 0.0
+
+
+def _rotary_log(bases: dict[int, LatentCodec], max_cache_len: int | None) -> RotaryLog | None:
+    """The RoPE angle log the layers caching keys before RoPE share, if any does."""
+    styles = {(b.rope_style, b.rotary_dim) for b in bases.values() if b.rope_style}
+    if not styles:
+        return None
+    style, rotary_dim = styles.pop()
+    return RotaryLog(style, max_cache_len, rotary_dim)
+
+
+class _LatentReplicas:
+    """Each cache layer's latent counterpart where ``bases`` covers its index: what
+    :meth:`LatentCache.from_codecs` swaps in layer by layer, and, as a lazily built cache's
+    ``layer_class_to_replicate`` (``build``: the class's own, ``cache``: that cache), the layer
+    ``Cache.update`` adds next. The first layer caching keys before RoPE owns the angle log."""
+
+    def __init__(self, bases: dict[int, LatentCodec], codes: dict[int, SideCodes],
+                 prefill_as_stored: bool, rotary: RotaryLog | None):
+        self.bases, self.codes, self.rotary = bases, codes, rotary
+        self.prefill_as_stored = prefill_as_stored
+        self.log_owner: int | None = None
+        self.build = self.cache = None
+
+    def __call__(self):
+        layer = self.latent(len(self.cache.layers), self.build())
+        if self.cache.sink_positions is not None and hasattr(layer, "place_sinks"):
+            layer.place_sinks(self.cache.sink_positions)
+        return layer
+
+    def latent(self, i: int, layer):
+        """Layer ``i`` of a fresh cache, ``layer``, or its latent counterpart."""
+        k_code, v_code = self.codes.get(i, (None, None))
+        kind = type(layer)
+        sliding = kind is StaticSlidingWindowLayer or kind in _SLIDING_LAYERS
+        if i in self.bases and sliding and VectorBook in (type(k_code), type(v_code)):
+            raise ValueError(f"layer {i}: a sliding-window layer cannot hold vector codes")
+        states = {"number_of_states": layer.number_of_states} \
+            if isinstance(layer, LinearAttentionLayer) else {}
+        if i not in self.bases:
+            pass
+        elif kind is StaticSlidingWindowLayer and (k_code is not None or v_code is not None):
+            layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
+                                             self.bases[i], k_code, v_code)
+        elif kind in _SLIDING_LAYERS:
+            layer = _SLIDING_LAYERS[kind](layer.sliding_window, self.bases[i], k_code, v_code,
+                                          **states)
+        elif kind is StaticLayer or kind in _FULL_LAYERS:
+            b = self.bases[i]
+            if b.rope_style:
+                b = replace(b, rotary=self.rotary)
+                self.log_owner = i if self.log_owner is None else self.log_owner
+            owns = self.log_owner == i
+            layer = (LatentStaticLayer(layer.max_cache_len, b, k_code, v_code, owns)
+                     if kind is StaticLayer
+                     else _FULL_LAYERS[kind](b, k_code, v_code, owns, **states))
+        elif isinstance(layer, StaticLayer) and kind is not StaticSlidingWindowLayer:
+            raise ValueError(f"layer {i}: transformers' {kind.__name__} has no static "
+                             "latent counterpart yet: generate this model with the dynamic "
+                             "cache (cache_implementation='dynamic')")
+        if self.prefill_as_stored and hasattr(layer, "prefill_as_stored"):  # a latent one
+            layer.prefill_as_stored = True
+        return layer
+
+
+@functools.cache
+def _latent_class(own: type[Cache]) -> type[LatentCache]:
+    """``own`` (a cache class that adds its layers lazily) with :class:`LatentCache` mixed in:
+    the model's class first, so its methods and state (MiniMax's linear-attention states, its
+    batch reordering) stay as it defines them; ``own()`` initialises ``LatentCache`` through
+    ``Cache.__init__``'s keywords."""
+    return type(f"Latent{own.__name__}", (own, LatentCache), {"__module__": __name__})

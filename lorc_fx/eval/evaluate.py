@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
+from lorc_fx.analysis.cache_probe import fresh_cache
 from lorc_fx.data.texts import split_paragraphs
 from lorc_fx.plan.calibration import HOLD_OUT, evaluation_part
 from lorc_fx.cache import latent_cache
@@ -197,13 +197,12 @@ def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
 @torch.no_grad()
 def greedy_continuations(model: nn.Module, prompts: list[torch.Tensor], new_tokens: int,
                          compressed: bool) -> list[list[int]]:
-    """Greedy continuations; a fresh ``DynamicCache`` keeps a compressed model's generate on
-    the full cache."""
+    """Greedy continuations; a fresh plain cache (``fresh_cache``) keeps a compressed model's
+    generate on the full cache."""
     device = next(model.parameters()).device
-    config = model.config.get_text_config(decoder=True)
     out = []
     for ids in prompts:
-        kwargs = {} if compressed else {"past_key_values": DynamicCache(config=config)}
+        kwargs = {} if compressed else {"past_key_values": fresh_cache(model)}
         seq = model.generate(ids.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, **kwargs)
         out.append(seq[0, ids.shape[1]:].tolist())

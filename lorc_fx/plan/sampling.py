@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from lorc_fx.analysis.cache_probe import fresh_cache
+
 # what the samples depend on besides the model and the seeds: part of their cache key
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "version": 1}
 # candidates looked at before sorting the whole vocabulary, in tiers: a top-k of a few
@@ -70,15 +72,13 @@ def _pick_sorted(values: torch.Tensor, order: torch.Tensor, top_p: float,
 def sample_sequences(model: nn.Module, start: int, length: int, seeds: list[int],
                      step: Callable[[int], None] | None = None) -> torch.Tensor:
     """``(len(seeds), length)`` token ids, ``start`` first, sequence ``i`` drawn with a
-    generator seeded ``seeds[i]``; decoded with a plain ``DynamicCache`` (also on a model
+    generator seeded ``seeds[i]``; decoded with a plain cache (``fresh_cache``; also on a model
     whose ``generate`` was given a latent cache). ``step(n)`` is called after every decode
     step with the ``n`` tokens it produced (a progress bar's ``update``)."""
-    from transformers.cache_utils import DynamicCache
-
     device = next(model.parameters()).device
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     ids = torch.full((len(seeds), 1), start, dtype=torch.long)
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache = fresh_cache(model)
     out = [ids]
     temperature, top_p = SAMPLING["temperature"], SAMPLING["top_p"]
     for _ in range(length - 1):

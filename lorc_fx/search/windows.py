@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
+from lorc_fx.analysis.cache_probe import fresh_cache
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.plan.planner import Plan
@@ -26,13 +26,12 @@ def through_cache(model: nn.Module, blocks: list[AttentionBlock], plan: Plan | N
     The window's forward attends its tokens read back as stored (``prefill_as_stored``):
     what a decode step reads, where a prefill would attend them as it computed them."""
     device = next(model.parameters()).device
-    config = model.config.get_text_config(decoder=True)
     with angles_handed(model, blocks, plan):
         for batch in windows.split(BATCH):
             batch = batch.to(device)
             if plan is None:
                 yield batch, model(batch, use_cache=False), None
             else:
-                cache = LatentCache.from_cache(DynamicCache(config=config), plan,
+                cache = LatentCache.from_cache(fresh_cache(model), plan,
                                               prefill_as_stored=True)
                 yield batch, model(batch, use_cache=True, past_key_values=cache), cache

@@ -2,8 +2,11 @@
 ``compress(model, cache_fraction=0.5)`` then ``generate`` on tiny random models built with
 transformers' own classes (``helpers.families``). Each is compressed, or left unchanged with
 the reason, or refused with the budget's reachable range: never a bare exception."""
+import copy
+
 import pytest
 import torch
+from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 import lorc_fx
 from helpers.families import build, config_for
@@ -222,6 +225,35 @@ def test_hybrid_layers_at_full_rank_generate_as_before(family, layers):
             got = generate(model, ids, mask)
         assert LatentHybridLayer in [type(l) for l in got.past_key_values.layers]
         assert_same_generation(got, expected)
+
+
+def test_a_model_caching_in_a_class_of_its_own_is_compressed_in_that_class():
+    """MiniMax (attention beside lightning attention) refuses any cache but its own
+    ``MiniMaxCache``, which keeps the linear attention's states beside ``DynamicCache``'s
+    layers and adds the layers as they are written; ``generate`` builds none for it. It was
+    left unchanged. Now its latent cache is a ``MiniMaxCache`` too, the attention layer
+    latent: at full rank token for token as before, eager (a left-padded batch, beams) and
+    compiled; at default options coded, with the bytes the plan counts."""
+    model = build(config_for("minimax"))
+    ids, mask = prompt()
+    expected, beams = generate(model, ids, mask), _generate(model, num_beams=2)
+    full = copy.deepcopy(model)
+    report = lorc_fx.compress(full, 1.0, latent_bits=16, progress=False)
+    assert [l.layer for l in report.plan.layers] == [0]
+    got = generate(full, ids, mask)
+    cache = got.past_key_values
+    assert isinstance(cache, LatentCache) and isinstance(cache, MiniMaxCache)
+    assert isinstance(cache.layers[0], LatentDynamicLayer)
+    assert_same_generation(got, expected)
+    assert torch.equal(_generate(full, num_beams=2), beams)
+    with compiled(full, lorc_backend.with_options(inductor=False)):
+        assert_same_generation(generate(full, ids, mask), expected)
+
+    report = lorc_fx.compress(model, progress=False)
+    assert report.plan.cache_fraction <= 0.3
+    long = torch.randint(3, 90, (1, 128), generator=torch.Generator().manual_seed(0))
+    out = model.generate(long, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    assert out.past_key_values.cache_bytes() == report.cache_bytes_per_token()[1] * 128
 
 
 def test_indexed_layers_of_a_plain_plan_generate_compiled_as_eager():

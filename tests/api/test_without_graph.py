@@ -4,6 +4,9 @@ eager attention it finds no attention in), ``compress`` at default options still
 transformers' cache holds, chosen by bits alone, and says per layer why nothing else is."""
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.models.minimax import modeling_minimax
+from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 import lorc_fx
 from helpers.families import (build, config_for, custom_attention_llama,
@@ -125,15 +128,6 @@ def test_a_layer_the_analysis_declines_beside_proven_ones_is_coded_by_a_plain_pl
     assert out.past_key_values.cache_bytes() == report.cache_bytes_per_token()[1] * 64 * 2
 
 
-def _minimax():  # attention beside lightning attention, in a cache class of MiniMax's own
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
-
-    return MiniMaxForCausalLM(MiniMaxConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
-        layer_types=["full_attention", "linear_attention"], pad_token_id=0)).eval()
-
-
 def _xlm():  # caches keys and values in a dict of its own: transformers' cache stays empty
     from transformers import XLMConfig, XLMWithLMHeadModel
 
@@ -141,15 +135,11 @@ def _xlm():  # caches keys and values in a dict of its own: transformers' cache 
                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
 
 
-@pytest.mark.parametrize("build_model, why", [
-    (_minimax, "it caches in a class of its own (MiniMaxCache)"),
-    (_xlm, "its cache holds no keys and values after a forward")])
-def test_a_cache_lorc_fx_cannot_replace_leaves_the_model_unchanged_and_says_why(
-        build_model, why, caplog):
-    """MiniMax refuses any cache but its own class (planning sampled with a DynamicCache and
-    crashed); XLM's attention is found, but it never writes transformers' cache (a plan was
-    made and reported, and nothing changed). Both are left unchanged, with the reason."""
-    model = build_model()
+def test_a_cache_lorc_fx_cannot_replace_leaves_the_model_unchanged_and_says_why(caplog):
+    """XLM's attention is found, but it never writes transformers' cache (a plan was made
+    and reported, and nothing changed): left unchanged, with the reason."""
+    why = "its cache holds no keys and values after a forward"
+    model = _xlm()
     ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
     expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     report = lorc_fx.compress(model, progress=False)
@@ -157,3 +147,26 @@ def test_a_cache_lorc_fx_cannot_replace_leaves_the_model_unchanged_and_says_why(
     assert any(why in r.getMessage() for r in caplog.records)
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0),
                        expected)
+
+
+class _OwnLayer(DynamicLayer):
+    pass
+
+
+class _OwnLayers(MiniMaxCache):
+    """MiniMax's cache class adding layers of a class of its own: no latent counterpart."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer_class_to_replicate = _OwnLayer
+
+
+def test_a_cache_class_of_its_own_that_lorc_fx_cannot_build_leaves_the_model_unchanged(
+        monkeypatch, caplog):
+    monkeypatch.setattr(modeling_minimax, "MiniMaxCache", _OwnLayers)
+    model = build(config_for("minimax"))
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    report = lorc_fx.compress(model, progress=False)
+    assert report.plan is None and "class of its own (_OwnLayers)" in report.left_alone
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)

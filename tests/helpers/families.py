@@ -9,7 +9,8 @@ import torch
 from hypothesis import strategies as st
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config,
                           FalconH1Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
-                          GptOssConfig, GPTNeoXConfig, LlamaConfig, Lfm2Config, MistralConfig,
+                          GptOssConfig, GPTNeoXConfig, LlamaConfig, Lfm2Config, MiniMaxConfig,
+                          MistralConfig,
                           OPTConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3NextConfig,
                           Zamba2Config)
 
@@ -63,6 +64,11 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
                                moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                layer_types=["linear_attention", "full_attention"]
                                * (max(layers, 2) // 2))
+    if family == "minimax":  # attention beside lightning attention, in MiniMax's own cache class
+        return MiniMaxConfig(**{**llama_like, "num_hidden_layers": max(layers, 2)},
+                             head_dim=head_dim, num_local_experts=2, num_experts_per_tok=1,
+                             layer_types=["full_attention", "linear_attention"]
+                             * (max(layers, 2) // 2))
     if family == "deepseek_v3":  # MLA: keys and values from one normalised latent
         return DeepseekV3Config(**{**llama_like, "num_key_value_heads": heads},
                                 kv_lora_rank=2 * head_dim, q_lora_rank=None,
