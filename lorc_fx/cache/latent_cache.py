@@ -128,10 +128,10 @@ class LatentCache(Cache):
         static = [l for l in cache.layers if type(l) is StaticLayer]
         replicas = _LatentReplicas(bases, codes or {}, prefill_as_stored,
                                    _rotary_log(bases, static[0].max_cache_len if static else None))
-        if not cache.layers and cache.layer_class_to_replicate is not None:
+        if not cache.layers and cache.layer_class_to_replicate is not None:  # built lazily
             lazy = _latent_class(type(cache))()
-            replicas.build, lazy.layer_class_to_replicate = lazy.layer_class_to_replicate, replicas
-            replicas.cache, lazy.rotary = lazy, replicas.rotary
+            lazy.rotary = replicas.rotary
+            replicas.replicate_for(lazy)
             return lazy
         return cls([replicas.latent(i, layer) for i, layer in enumerate(cache.layers)],
                    replicas.rotary)
@@ -225,6 +225,11 @@ class _LatentReplicas:
         self.prefill_as_stored = prefill_as_stored
         self.log_owner: int | None = None
         self.build = self.cache = None
+
+    def replicate_for(self, cache: "LatentCache") -> None:
+        """Become ``cache``'s ``layer_class_to_replicate``, building what it built before."""
+        self.build, self.cache = cache.layer_class_to_replicate, cache
+        cache.layer_class_to_replicate = self
 
     def __call__(self):
         layer = self.latent(len(self.cache.layers), self.build())
