@@ -2,7 +2,8 @@
 reads the cache (issue #37: every published quality figure is decode-time).
 
     OMP_NUM_THREADS=1 python bench/peers_decoded.py [--texts news,poems] [--windows 4]
-        [--budgets 8.5,4.5] [--quanto 4,2] [--stem peers_decoded-cpu]
+        [--budgets 8.5,4.5] [--plans 1.92=PLAN.safetensors] [--quanto 4,2]
+        [--stem peers_decoded-cpu]
 
 Each window of 512 evaluation tokens (``evaluation_windows``: the text's evaluation part, never
 calibration's; ``poems`` is the held-out genre) is fed as ``generate`` feeds it: its first
@@ -12,7 +13,8 @@ the others by one-token steps reading the cache), against the full cache's over 
 tokens, with the mean KL divergence from the full model and the share of equal argmaxes.
 
 - **LoRC**: ``lorc_fx.compress(model, bits_per_value=B)`` at default options, the plan's own
-  latent cache.
+  latent cache (``--plans B=PATH``: that saved plan of budget ``B`` installed instead of
+  planning it).
 - **quanto**: ``QuantizedCache(backend="quanto", nbits=N)`` with transformers' defaults
   (groups of 64 along each channel, the last 128 tokens or fewer in full precision, the whole
   cache re-quantized each time that residual fills).
@@ -111,6 +113,7 @@ def main() -> None:
     parser.add_argument("--texts", default="news,poems")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--budgets", default="8.5,4.5", help="LoRC bits per value")
+    parser.add_argument("--plans", default="", help="B=PATH,...: saved plans for budgets B")
     parser.add_argument("--quanto", default="4,2", help="QuantizedCache nbits")
     parser.add_argument("--stem", default="peers_decoded-cpu")
     args = parser.parse_args()
@@ -123,10 +126,12 @@ def main() -> None:
     earlier = RESULTS / f"{args.stem}.json"
     if earlier.exists():  # other texts' rows stay (one text at a time, e.g. after a fetch)
         doc["texts"] = json.loads(earlier.read_text())["texts"]
+    saved = dict(item.split("=", 1) for item in args.plans.split(",") if item)
     plans = {}
-    for budget in map(float, args.budgets.split(",")):
+    for budget in (float(b) for b in args.budgets.split(",") if b):
         fresh = lorc_fx.load_model("default")
-        report = lorc_fx.compress(fresh, bits_per_value=budget)
+        report = (lorc_fx.compress(fresh, plan=saved[f"{budget:g}"]) if f"{budget:g}" in saved
+                  else lorc_fx.compress(fresh, bits_per_value=budget))
         plans[f"LoRC {budget:g} ({report.plan.scheme.title})"] = fresh
     for text in args.texts.split(","):
         windows = evaluation_windows(tokenizer, load_text(text), args.windows * WINDOW, WINDOW)
