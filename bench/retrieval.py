@@ -4,7 +4,8 @@ project's plans (``compress(model, bits_per_value=B)``) beside transformers' ``Q
 
     OMP_NUM_THREADS=1 python bench/retrieval.py [--task passkey] [--lengths 1k,2k,4k,8k]
         [--trials 10] [--seed 0] [--budgets 8.5,4.5,3,2.56,1.92] [--plans 2.56=PLAN.safetensors]
-        [--quanto 4,2] [--out bench/results/retrieval-cpu]
+        [--quanto 4,2] [--one-prefill [--shard K/N] [--merge A.json,...]]
+        [--out bench/results/retrieval-cpu]
 
 The prompts are ``lorc_fx.eval.retrieval.make_samples`` (the tasks of ``lorc eval --task``);
 each method answers every prompt with greedy ``generate`` (``NEW_TOKENS`` tokens, a fresh cache
@@ -12,10 +13,21 @@ per prompt; the answer is right when the first number written is the key). Accur
 its Wilson 95% interval.
 
 ``--plans B=PATH`` installs a saved plan for budget ``B`` instead of planning it (vector plans
-take tens of minutes to plan on 2 cores). Quanto's cache (``QuantizedCache(backend="quanto")``,
-its defaults: groups of 64, the newest up to 128 tokens unquantized, which after a prompt
-holds only the generated tokens) is reported at its nominal bits per value, floats at 16 bits
-as for the project's plans: ``b + 2 * 16 / 64``. optimum-quanto (``pip install -e ".[peers]"``)
+take tens of minutes to plan on 2 cores).
+
+``--one-prefill``: the full cache and every plan answer each prompt from one forward of it
+(``retrieval.answers_sharing_prefill``: a compressed cache's prefill computes what the full
+model's does, so one forward writes every cache; each then decodes on its own, as ``generate``
+would, tested token for token against it). At 8k tokens the prompt's forward is ~1.5 min of
+one thread and each plan's eight steps seconds, so this is what makes 8k affordable. Progress
+is kept after every prompt (``OUT.json``'s ``partial``); quanto still runs ``generate``.
+``--shard K/N`` runs every N-th prompt from the K-th (one process a core, each its own
+``--out``); a last run with ``--merge`` of the shards' files writes the rows.
+
+Quanto's cache (``QuantizedCache(backend="quanto")``, its defaults: groups of 64, the newest
+up to 128 tokens unquantized, which after a prompt holds only the generated tokens) is
+reported at its nominal bits per value, floats at 16 bits as for the project's plans:
+``b + 2 * 16 / 64``. optimum-quanto (``pip install -e ".[peers]"``)
 builds its C++ extension on first use (2.5 min on the 2-core machine).
 
 Writes ``OUT.json`` after every row (rows already there are kept, so a rerun resumes; a row is
@@ -37,8 +49,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import lorc_fx  # noqa: E402
 from lorc_fx.eval.retrieval import (HELD_OUT, NEW_TOKENS, TASKS, Accuracy, accuracy,  # noqa: E402
-                                    answers, make_samples, parse_lengths,
-                                    same_answer)
+                                    answers, answers_sharing_prefill, make_samples,
+                                    parse_lengths, same_answer)
 
 QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
 
@@ -84,7 +96,10 @@ def write_table(result: dict, path: Path) -> None:
              f"Default model, greedy, {NEW_TOKENS} new tokens, seed {s['seed']}; "
              f"{result['machine']['cpu']}, {result['machine']['cores']} cores (shared), "
              f"{result['machine']['threads']} thread(s), torch {result['machine']['torch']}. "
-             "Produced by `bench/retrieval.py`.", "",
+             "Produced by `bench/retrieval.py`"
+             + (" `--one-prefill`: one forward of each prompt wrote the full cache and every "
+                "plan's, each then decoding on its own as `generate` would."
+                if s.get("one_prefill") else "."), "",
              "| method | bits per value | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
              "|---|---|" + "---|" * len(lengths)]
     full = {r["length"]: r for r in rows if r["method"] == "full cache"}
@@ -127,6 +142,61 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, result: dict,
+                saved: Path, shard: tuple[int, int]) -> None:
+    """Rows of the full cache and of every budget's plan, from one prefill a prompt. The
+    outputs so far are kept in ``result["partial"][length][method][prompt index]`` after
+    every prompt; ``shard`` ``(k, n)``: only the prompts whose index is ``k`` modulo ``n``
+    (another process's shard merged in with ``--merge``). A length's rows are written once
+    every prompt has its outputs."""
+    installed = {}
+    for b in budgets:
+        report = (lorc_fx.compress(model, plan=plans[f"{b:g}"]) if f"{b:g}" in plans
+                  else lorc_fx.compress(model, bits_per_value=b))
+        installed[f"lorc {b:g}"] = report.plan
+    bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()}}
+    blocks = lorc_fx.analyze(model)
+    done = {(r["method"], r["length"]) for r in result["rows"]}
+    for n, prompts in samples.items():
+        if all((m, n) in done for m in bits):
+            continue
+        partial = result.setdefault("partial", {}).setdefault(str(n), {})
+        partial.setdefault("seconds", 0.0)
+        for m in bits:
+            partial.setdefault(m, {})
+        todo = [i for i in range(len(prompts))
+                if i % shard[1] == shard[0] and str(i) not in partial["full cache"]]
+        for i in tqdm(todo, desc=f"{n} tokens"):
+            start = time.perf_counter()
+            outputs = answers_sharing_prefill(model, tok, prompts[i:i + 1], installed, blocks)
+            for m in bits:
+                partial[m][str(i)] = outputs[m][0]
+            partial["seconds"] += time.perf_counter() - start
+            saved.write_text(json.dumps(result, indent=1))
+        if len(partial["full cache"]) < len(prompts):
+            continue  # other shards' prompts to come
+        for m, b in bits.items():
+            if (m, n) not in done:
+                outputs = [partial[m][str(i)] for i in range(len(prompts))]
+                result["rows"].append(_row(m, b, n, prompts, outputs, partial["seconds"]))
+                row = result["rows"][-1]
+                print(f"{m:>16} {n:>6} tokens: {Accuracy(row['correct'], row['trials'])}",
+                      flush=True)
+        del result["partial"][str(n)]
+        saved.write_text(json.dumps(result, indent=1))
+
+
+def merge_partial(result: dict, others: list[Path]) -> None:
+    """Fold other shards' partial outputs (their ``OUT.json``) into ``result``'s."""
+    for other in others:
+        for n, methods in json.loads(other.read_text()).get("partial", {}).items():
+            mine = result.setdefault("partial", {}).setdefault(n, {"seconds": 0.0})
+            mine["seconds"] = mine.get("seconds", 0.0) + methods["seconds"]
+            for m, outputs in methods.items():
+                if m != "seconds":
+                    mine.setdefault(m, {}).update(outputs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="passkey", choices=TASKS)
@@ -136,6 +206,12 @@ def main() -> None:
     ap.add_argument("--budgets", default="8.5,4.5,3,2.56,1.92", help="bits per value ('' none)")
     ap.add_argument("--plans", default="", help="B=PATH,...: saved plans for budgets B")
     ap.add_argument("--quanto", default="4,2", help="quanto bit widths ('' none)")
+    ap.add_argument("--one-prefill", action="store_true",
+                    help="one forward of each prompt writes every method's cache (see above)")
+    ap.add_argument("--shard", default="0/1", help="K/N: with --one-prefill, the prompts whose "
+                    "index is K modulo N (N processes, one each; then --merge)")
+    ap.add_argument("--merge", default="", help="with --one-prefill: other shards' OUT.json "
+                    "files, comma-separated, whose outputs count as this run's")
     ap.add_argument("--out", default="bench/results/retrieval-cpu")
     args = ap.parse_args()
     lengths = parse_lengths(args.lengths)
@@ -143,7 +219,8 @@ def main() -> None:
     plans = dict(item.split("=", 1) for item in args.plans.split(",") if item)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"task": args.task, "trials": args.trials, "seed": args.seed}
+    settings = {"task": args.task, "trials": args.trials, "seed": args.seed,
+                **({"one_prefill": True} if args.one_prefill else {})}
     saved = Path(f"{out}.json")
     result = json.loads(saved.read_text()) if saved.exists() else {}
     if result.get("settings") != settings:
@@ -168,10 +245,15 @@ def main() -> None:
             print(f"{method:>16} {n:>6} tokens: {Accuracy(row['correct'], row['trials'])}",
                   flush=True)
 
-    run("full cache", 16.0, lambda s: answers(model, tok, s, compressed=False))
+    if args.one_prefill:
+        merge_partial(result, [Path(f) for f in args.merge.split(",") if f])
+        shard = tuple(int(k) for k in args.shard.split("/"))
+        one_prefill(model, tok, samples, budgets, plans, result, saved, shard)
+    else:
+        run("full cache", 16.0, lambda s: answers(model, tok, s, compressed=False))
     for b in budgets:
         name = f"lorc {b:g}"
-        if all((name, n) in done for n in lengths):
+        if args.one_prefill or all((name, n) in done for n in lengths):
             continue
         report = (lorc_fx.compress(model, plan=plans[f"{b:g}"]) if f"{b:g}" in plans
                   else lorc_fx.compress(model, bits_per_value=b))

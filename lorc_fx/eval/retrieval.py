@@ -27,7 +27,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from transformers.cache_utils import DynamicCache
+
+from lorc_fx.analysis.records import AttentionBlock, attention_module
+from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.eval.evaluate import greedy_continuations
+from lorc_fx.plan.planner import Plan
 
 TASKS = ("passkey", "multikey", "vartrack")
 HELD_OUT = "vartrack"
@@ -209,6 +214,89 @@ def answers(model: nn.Module, tokenizer, samples: list[Sample], compressed: bool
         ids = torch.tensor([s.input_ids])
         out.append(tokenizer.decode(greedy_continuations(model, [ids], NEW_TOKENS, compressed)[0]))
     return out
+
+
+class _PrefillTee(DynamicCache):
+    """A plain cache whose writes are also written to ``latents`` (each a plan's fresh latent
+    cache): one prefill fills them all. The forward is the full model's whatever the plans:
+    a latent cache's prefill attends the tokens it writes as it computed them
+    (``cache.layers._PrefillAsComputed``), so each returns what it was given."""
+
+    def __init__(self, config, latents: list[LatentCache]):
+        super().__init__(config=config)
+        self.latents = latents
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        for latent in self.latents:
+            latent.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _hand_angles_to_latents(module, args, kwargs):
+    """Forward pre-hook: the tee's latent caches that log RoPE angles get the step's."""
+    tee = next((v for v in (*args, *kwargs.values()) if isinstance(v, _PrefillTee)), None)
+    angles = kwargs.get("position_embeddings")
+    if tee is not None and angles is not None:
+        for latent in tee.latents:
+            if latent.rotary is not None:
+                latent.rotary.pending = angles
+
+
+@torch.no_grad()
+def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
+                            plans: dict[str, Plan], blocks: list[AttentionBlock]
+                            ) -> dict[str, list[str]]:
+    """Greedy answers of the full cache (``"full cache"``) and of each plan's latent cache
+    (by name) to every prompt, as :func:`answers` gives them, with one prefill a prompt for
+    all: the prompt's forward writes every cache (:class:`_PrefillTee`), then each cache
+    decodes ``NEW_TOKENS`` greedy tokens on its own (end-of-text suppressed, as
+    ``generate``'s ``min_new_tokens``). A long prompt's forward costs far more than the
+    steps after it (8k tokens: ~1.5 min of a CPU thread, then a few seconds a plan). Batch
+    1, no padding; ``blocks``: the model's attention blocks (``analyze``), whose modules hand
+    caches logging RoPE angles their angles."""
+    config = model.config.get_text_config(decoder=True)
+    device = next(model.parameters()).device
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    modules = {attention_module(model, b) for b in blocks}
+    out: dict[str, list[str]] = {name: [] for name in ["full cache", *plans]}
+    for s in tqdm(samples, desc="one prefill, every cache", leave=False):
+        ids = torch.tensor([s.input_ids], device=device)
+        tee = _PrefillTee(config, [LatentCache.from_cache(DynamicCache(config=config), p)
+                                   for p in plans.values()])
+        hooks = [m.register_forward_pre_hook(_hand_angles_to_latents, with_kwargs=True)
+                 for m in modules]
+        try:
+            logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=tee,
+                           use_cache=True).logits[:, -1]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        caches = dict(zip(plans, tee.latents))
+        tee.latents = []  # the tee decodes on as the full cache
+        for name, cache, plan in [("full cache", tee, None),
+                                  *((n, caches[n], p) for n, p in plans.items())]:
+            with angles_handed(model, blocks, plan):
+                new = _greedy_steps(model, logits, cache, ids.shape[1], eos)
+            out[name].append(tokenizer.decode(new))
+    return out
+
+
+def _greedy_steps(model: nn.Module, logits: torch.Tensor, cache, prompt: int,
+                  eos: list[int]) -> list[int]:
+    """``NEW_TOKENS`` greedy tokens after a prompt of ``prompt`` tokens whose last logits are
+    ``logits`` and whose keys and values ``cache`` holds."""
+    new = []
+    for step in range(NEW_TOKENS):
+        logits = logits.clone()
+        logits[:, eos] = -math.inf
+        token = logits.argmax(-1, keepdim=True)
+        new.append(int(token))
+        if step + 1 < NEW_TOKENS:
+            mask = torch.ones(1, prompt + step + 1, dtype=torch.long, device=token.device)
+            logits = model(token, attention_mask=mask, past_key_values=cache,
+                           use_cache=True).logits[:, -1]
+    return new
 
 
 def parse_lengths(listed: str) -> tuple[int, ...]:

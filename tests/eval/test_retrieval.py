@@ -131,3 +131,26 @@ def test_a_length_beyond_the_context_limit_is_refused_before_planning(tiny, caps
 
     assert main(["eval", "--model", tiny[0], "--task", "passkey", "--lengths", "1k"]) == 2
     assert "--lengths must be in [64, 512] for this model" in capsys.readouterr().err
+
+
+def test_one_prefill_for_every_cache_answers_as_generate_does(loaded):
+    """``answers_sharing_prefill`` (the bench's long prompts: one forward writes every plan's
+    cache) gives ``generate``'s answers, token for token, for the full cache and for plans
+    whose keys are cached after RoPE and before it (an angle log handed by the hooks)."""
+    import lorc_fx
+    from lorc_fx.eval.retrieval import answers, answers_sharing_prefill
+
+    model, tok, blocks, _ = loaded
+    samples = make_samples(tok, "passkey", 160, 3, seed=0)
+    common = dict(basis="weight", schedule="uniform", progress=False, blocks=blocks)
+    plans = {"commute 4-bit": lorc_fx.compress(model, 0.3, latent_bits=4, rope="commute",
+                                               **common).plan,
+             "reconstruct": lorc_fx.compress(model, 0.5, latent_bits=16, rope="reconstruct",
+                                             **common).plan}
+    assert plans["reconstruct"].layers[0].k_latent_of == "pre_rope"
+    shared = answers_sharing_prefill(model, tok, samples, plans, blocks)
+    assert shared["full cache"] == answers(model, tok, samples, compressed=False)
+    for name, plan in plans.items():
+        lorc_fx.compress(model, plan=plan, blocks=blocks)
+        assert shared[name] == answers(model, tok, samples, compressed=True), name
+    assert shared["reconstruct"] != shared["full cache"]  # so a cache not read would show
