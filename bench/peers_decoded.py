@@ -1,9 +1,9 @@
-"""LoRC's plans against transformers' ``QuantizedCache`` (quanto), scored as ``generate``
+"""LoRC's plans against transformers' ``QuantizedCache`` (quanto, HQQ), scored as ``generate``
 reads the cache (issue #37: every published quality figure is decode-time).
 
     OMP_NUM_THREADS=1 python bench/peers_decoded.py [--texts news,poems] [--windows 4]
-        [--budgets 8.5,4.5] [--plans 1.92=PLAN.safetensors] [--quanto 4,2]
-        [--stem peers_decoded-cpu]
+        [--budgets 8.5,4.5] [--plans 1.92=PLAN.safetensors] [--quanto 4,2] [--hqq 4,3,2]
+        [--residual 128] [--stem peers_decoded-cpu]
 
 Each window of 512 evaluation tokens (``evaluation_windows``: the text's evaluation part, never
 calibration's; ``poems`` is the held-out genre) is fed as ``generate`` feeds it: its first
@@ -17,15 +17,20 @@ tokens, with the mean KL divergence from the full model and the share of equal a
   planning it).
 - **quanto**: ``QuantizedCache(backend="quanto", nbits=N)`` with transformers' defaults
   (groups of 64 along each channel, the last 128 tokens or fewer in full precision, the whole
-  cache re-quantized each time that residual fills).
+  cache re-quantized each time that residual fills); ``--residual R``: R tokens instead of 128
+  (a row named "residual R").
+- **HQQ**: ``QuantizedCache(backend="hqq", nbits=N)`` (``pip install hqq``; its defaults as
+  quanto's: groups of 64, the 128-token residual, ``--residual`` as for quanto).
 
 Bits per value, measured on each cache after every decode step and averaged, every float
 counted at 16 bits:
-LoRC's from its tensors (``LatentCache.bits_per_value``); quanto's from the packed data, scale
-and shift tensors of its quantized keys and values plus its full-precision residual, over the
-values of a 16-bit cache of the same tokens (its residual fills and empties as it decodes).
+LoRC's from its tensors (``LatentCache.bits_per_value``); quanto's and HQQ's from the packed
+data, scale and shift (zero) tensors of their quantized keys and values plus the full-precision
+residual, over the values of a 16-bit cache of the same tokens (the residual fills and empties
+as it decodes).
 
-Writes ``bench/results/STEM.{json,md}``, keeping the rows of texts it does not run.
+Writes ``bench/results/STEM.{json,md}``, keeping the rows of texts and methods it does not run
+(the full cache's is measured again every run).
 """
 from __future__ import annotations
 
@@ -57,14 +62,26 @@ def tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def quanto_bits(cache: QuantizedCache) -> float:
+def _coded(coded) -> tuple[int, int]:
+    """Bytes held and values stood for by one quantized tensor: quanto's (a tensor subclass of
+    packed codes, scale and shift) or HQQ's (packed codes and a dict of its scale, zero, shape:
+    floats counted at 16 bits)."""
+    if isinstance(coded, tuple):
+        packed, meta = coded
+        return (tensor_bytes(packed) + 2 * (meta["scale"].numel() + meta["zero"].numel()),
+                math.prod(meta["shape"]))
+    return tensor_bytes(coded), coded.numel()
+
+
+def quantized_bits(cache: QuantizedCache) -> float:
     """16 × bytes held (residual floats at 16 bits) / bytes of a 16-bit cache of its tokens."""
     held = values = 0
     for layer in cache.layers:
         for coded, residual in ((layer._quantized_keys, layer.keys),
                                 (layer._quantized_values, layer.values)):
-            held += tensor_bytes(coded) + 2 * residual.numel()
-            values += coded.numel() + residual.numel()
+            coded_bytes, coded_values = _coded(coded)
+            held += coded_bytes + 2 * residual.numel()
+            values += coded_values + residual.numel()
     return 16 * held / (2 * values)
 
 
@@ -92,7 +109,7 @@ def score(model, windows: torch.Tensor, make_cache, bits_of) -> dict:
 def write(doc: dict, stem: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = ["# Decode-time quality: LoRC against transformers' QuantizedCache (quanto)", "",
+    lines = ["# Decode-time quality: LoRC against transformers' QuantizedCache (quanto, HQQ)", "",
              f"`python bench/peers_decoded.py` ({doc['machine']}). Each window: "
              f"{PROMPT} tokens as a prompt, then one token a step; the {WINDOW - PROMPT} "
              "tokens after the prompt scored; ratio = perplexity ÷ the full cache's on the same tokens. "
@@ -115,6 +132,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="8.5,4.5", help="LoRC bits per value")
     parser.add_argument("--plans", default="", help="B=PATH,...: saved plans for budgets B")
     parser.add_argument("--quanto", default="4,2", help="QuantizedCache nbits")
+    parser.add_argument("--hqq", default="", help="QuantizedCache(backend='hqq') nbits")
+    parser.add_argument("--residual", type=int, default=128,
+                        help="the QuantizedCache residual's tokens (transformers' default 128)")
     parser.add_argument("--stem", default="peers_decoded-cpu")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -124,7 +144,7 @@ def main() -> None:
                f"{os.environ['OMP_NUM_THREADS']}, torch {torch.__version__}",
                windows=args.windows, texts={})
     earlier = RESULTS / f"{args.stem}.json"
-    if earlier.exists():  # other texts' rows stay (one text at a time, e.g. after a fetch)
+    if earlier.exists():  # rows of other texts and methods stay (one at a time, e.g. a peer)
         doc["texts"] = json.loads(earlier.read_text())["texts"]
     saved = dict(item.split("=", 1) for item in args.plans.split(",") if item)
     plans = {}
@@ -135,18 +155,20 @@ def main() -> None:
         plans[f"LoRC {budget:g} ({report.plan.scheme.title})"] = fresh
     for text in args.texts.split(","):
         windows = evaluation_windows(tokenizer, load_text(text), args.windows * WINDOW, WINDOW)
-        rows = doc["texts"][text] = {}
+        rows = doc["texts"].setdefault(text, {})  # rows of methods not run stay
         rows["full"] = score(model, windows, lambda: DynamicCache(config=config),
                              lambda cache: None)
         for name, compressed in plans.items():
             rows[name] = score(compressed, windows, lambda m=compressed: lorc_fx.latent_cache(m),
                                lambda cache: cache.bits_per_value())
             write(doc, args.stem)
-        for nbits in (int(b) for b in args.quanto.split(",") if b):
-            rows[f"quanto int{nbits}"] = score(
-                model, windows, lambda n=nbits: QuantizedCache("quanto", config, nbits=n),
-                quanto_bits)
-            write(doc, args.stem)
+        residual = "" if args.residual == 128 else f" (residual {args.residual})"
+        for backend, widths in (("quanto", args.quanto), ("hqq", args.hqq)):
+            for nbits in (int(b) for b in widths.split(",") if b):
+                rows[f"{backend} int{nbits}{residual}"] = score(
+                    model, windows, lambda b=backend, n=nbits: QuantizedCache(
+                        b, config, nbits=n, residual_length=args.residual), quantized_bits)
+                write(doc, args.stem)
         print(json.dumps(rows, indent=1), flush=True)
 
 
