@@ -109,7 +109,9 @@ def score(model, windows: torch.Tensor, make_cache, bits_of) -> dict:
 def write(doc: dict, stem: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = ["# Decode-time quality: LoRC against transformers' QuantizedCache (quanto, HQQ)", "",
+    names = {name.split()[0] for rows in doc["texts"].values() for name in rows}
+    peers = ", ".join(p for key, p in (("quanto", "quanto"), ("hqq", "HQQ")) if key in names)
+    lines = [f"# Decode-time quality: LoRC against transformers' QuantizedCache ({peers})", "",
              f"`python bench/peers_decoded.py` ({doc['machine']}). Each window: "
              f"{PROMPT} tokens as a prompt, then one token a step; the {WINDOW - PROMPT} "
              "tokens after the prompt scored; ratio = perplexity ÷ the full cache's on the same tokens. "
