@@ -31,6 +31,7 @@ from transformers.cache_utils import DynamicCache
 
 from lorc_fx.analysis.records import AttentionBlock, attention_module
 from lorc_fx.cache import LatentCache, angles_handed
+from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.eval.evaluate import greedy_continuations
 from lorc_fx.plan.planner import Plan
 
@@ -219,8 +220,9 @@ def answers(model: nn.Module, tokenizer, samples: list[Sample], compressed: bool
 class _PrefillTee(DynamicCache):
     """A plain cache whose writes are also written to ``latents`` (each a plan's fresh latent
     cache): one prefill fills them all. The forward is the full model's whatever the plans:
-    a latent cache's prefill attends the tokens it writes as it computed them
-    (``cache.layers._PrefillAsComputed``), so each returns what it was given."""
+    a latent cache's prefill (a first write of more than ``PREFILL_TOKENS`` tokens) attends
+    the tokens it writes as it computed them (``cache.layers._PrefillAsComputed``), so each
+    returns what it was given."""
 
     def __init__(self, config, latents: list[LatentCache]):
         super().__init__(config=config)
@@ -254,6 +256,11 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
     steps after it (8k tokens: ~1.5 min of a CPU thread, then a few seconds a plan). Batch
     1, no padding; ``blocks``: the model's attention blocks (``analyze``), whose modules hand
     caches logging RoPE angles their angles."""
+    short = [len(s.input_ids) for s in samples if len(s.input_ids) <= PREFILL_TOKENS]
+    if short:
+        raise ValueError(f"one prefill serves every cache only for prompts of more than "
+                         f"{PREFILL_TOKENS} tokens (a latent cache reads a shorter one back as "
+                         f"stored), not {short[0]}")
     config = model.config.get_text_config(decoder=True)
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id

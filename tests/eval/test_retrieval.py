@@ -154,3 +154,13 @@ def test_one_prefill_for_every_cache_answers_as_generate_does(loaded):
         lorc_fx.compress(model, plan=plan, blocks=blocks)
         assert shared[name] == answers(model, tok, samples, compressed=True), name
     assert shared["reconstruct"] != shared["full cache"]  # so a cache not read would show
+
+
+def test_one_prefill_refuses_a_prompt_a_latent_cache_reads_back_as_stored(loaded):
+    from lorc_fx.cache.layers import PREFILL_TOKENS
+    from lorc_fx.eval.retrieval import answers_sharing_prefill
+
+    model, tok, blocks, _ = loaded
+    short = Sample("passkey", 64, 0.5, "", list(range(3, 3 + PREFILL_TOKENS)), "1", 0)
+    with pytest.raises(ValueError, match=f"prompts of more than {PREFILL_TOKENS} tokens"):
+        answers_sharing_prefill(model, tok, [short], {}, blocks)
