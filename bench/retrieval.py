@@ -142,6 +142,12 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
+def install(model, b: float, plans: dict):
+    """Budget ``b``'s plan on ``model``: its saved plan (``--plans``), else planned."""
+    return (lorc_fx.compress(model, plan=plans[f"{b:g}"]) if f"{b:g}" in plans
+            else lorc_fx.compress(model, bits_per_value=b))
+
+
 def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, result: dict,
                 saved: Path, shard: tuple[int, int]) -> None:
     """Rows of the full cache and of every budget's plan, from one prefill a prompt. The
@@ -151,9 +157,7 @@ def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, re
     every prompt has its outputs."""
     installed = {}
     for b in budgets:
-        report = (lorc_fx.compress(model, plan=plans[f"{b:g}"]) if f"{b:g}" in plans
-                  else lorc_fx.compress(model, bits_per_value=b))
-        installed[f"lorc {b:g}"] = report.plan
+        installed[f"lorc {b:g}"] = install(model, b, plans).plan
     bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()}}
     blocks = lorc_fx.analyze(model)
     done = {(r["method"], r["length"]) for r in result["rows"]}
@@ -255,8 +259,7 @@ def main() -> None:
         name = f"lorc {b:g}"
         if args.one_prefill or all((name, n) in done for n in lengths):
             continue
-        report = (lorc_fx.compress(model, plan=plans[f"{b:g}"]) if f"{b:g}" in plans
-                  else lorc_fx.compress(model, bits_per_value=b))
+        report = install(model, b, plans)
         name_bits = report.plan.bits_per_value
         run(name, name_bits, lambda s: answers(model, tok, s, compressed=True))
     for bits in [int(b) for b in args.quanto.split(",") if b]:
