@@ -57,12 +57,12 @@ def steps(out: Path, smoke: bool) -> list[Step]:
     e2e = ["--models", "llama3-8b", "--contexts", "64"] if smoke else []
     return [
         Step("env", 30, [py, __file__, "--env", str(out / "env.json")]),
-        Step("kernels", 130, [py, "-m", "pytest", *tests, "bench/gpu/test_cuda_paths.py", "-q",
+        Step("kernels", 170, [py, "-m", "pytest", *tests, "bench/gpu/test_cuda_paths.py", "-q",
                               "-p", "no:cacheprovider", "--junitxml", str(out / "kernels.xml")],
              {"LORC_GPU_SMOKE": "1"} if smoke else {}),
-        Step("decode", 120, [py, "bench/decode_attention.py", "--out", str(out / "decode"),
+        Step("decode", 100, [py, "bench/decode_attention.py", "--out", str(out / "decode"),
                              *bench, *shapes]),
-        Step("e2e", 200, [py, "bench/gpu/end_to_end.py", "--out", str(out / "e2e"), *bench, *e2e]),
+        Step("e2e", 180, [py, "bench/gpu/end_to_end.py", "--out", str(out / "e2e"), *bench, *e2e]),
     ]
 
 

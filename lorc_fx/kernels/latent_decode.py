@@ -146,7 +146,10 @@ def _latent_split_kernel(
         v = tl.load(cv_ptr + b * stride_vb + offs_n[:, None] * stride_vn
                     + offs_v[None, :] * stride_vr,
                     mask=n_ok[:, None] & v_ok[None, :], other=0.0)
-        m_i, l_i, acc = softmax_step(s * qk_scale, visible, m_i, l_i, acc, v, UPCAST, PRECISION)
+        # Inductor passes a Python float to a user kernel as fp64 on GPUs that have it: the
+        # softmax state stays float32 (an fp64 scale would turn m_i, l_i, acc fp64 in the loop).
+        s = (s * qk_scale).to(tl.float32)
+        m_i, l_i, acc = softmax_step(s, visible, m_i, l_i, acc, v, UPCAST, PRECISION)
 
     store_result(acc, m_i, l_i, b, split, vc, rows, head, tq, offs_v, row_ok, v_ok, H * T, R_V,
                  out_ptr, stride_ob, stride_oh, stride_ot, stride_or, m_ptr, l_ptr, acc_ptr,

@@ -193,5 +193,48 @@ def test_cuda_path_traces_into_triton_kernels():
     assert "lorc" not in graph.code
 
 
+@pytest.mark.skipif(not triton_available(), reason="triton not installed")
+@pytest.mark.parametrize("scale_type", ["fp32", "fp64"])
+def test_the_kernel_builds_for_a_gpu_whatever_type_the_scale_is_passed_as(scale_type):
+    """Inductor passes a Python float to a user Triton kernel as fp64 on GPUs that have fp64
+    (``torch._inductor.codegen.triton_utils.signature_of``), the eager launch as fp32: the
+    kernel's IR must build for an sm_90 target either way (the fp64 scale once turned the
+    softmax state fp64 and broke compiled ``generate`` on an H100). Builds the IR only: no GPU."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+    from triton._C.libtriton import ir
+
+    from lorc_fx.kernels.latent_decode import _latent_split_kernel as kernel
+
+    constexprs = dict(T=1, HAS_MASK=False, HAS_RANGE=False, SINGLE_SPLIT=False, UPCAST=False,
+                      PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, BLOCK_V=64)
+    floats = {"m_ptr", "l_ptr", "acc_ptr"}
+
+    def arg_type(name: str) -> str:
+        if name in constexprs:
+            return "constexpr"
+        if name == "qk_scale":
+            return scale_type
+        if name.endswith("_ptr"):
+            return "*fp32" if name in floats else "*i32" if name in (
+                "mask_ptr", "start_ptr", "length_ptr") else "*bf16"
+        return "i32"
+
+    signature = {name: arg_type(name) for name in inspect.signature(kernel.fn).parameters}
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = ASTSource(kernel, signature, constexprs).make_ir(
+        target, options, backend.get_codegen_implementation(options),
+        backend.get_module_map(), context)
+    assert "tt.dot" in str(module)
+
+
 if __name__ == "__main__":
     print(json.dumps(run_kernel_cases(sys.argv[1:])))
