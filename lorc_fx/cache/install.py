@@ -48,17 +48,32 @@ def latent_cache(model: nn.Module, max_cache_len: int | None = None,
     return LatentCache.from_cache(base, model._lorc_plan, prefill_as_stored)
 
 
+def _latent_caches_written(values) -> list[LatentCache]:
+    """The latent caches an attention call writes: a latent cache among its arguments, or those
+    a cache among them writes beside itself (its ``latents``: ``eval.retrieval``'s prefill)."""
+    found = []
+    for value in values:
+        if isinstance(value, LatentCache):
+            found.append(value)
+        else:
+            found += [c for c in getattr(value, "latents", ()) if isinstance(c, LatentCache)]
+    return found
+
+
 def _hand_angles_to_cache(module, args, kwargs):
-    """Forward pre-hook: give a latent cache the RoPE angles of the incoming tokens."""
-    cache = next((v for v in (*args, *kwargs.values()) if isinstance(v, LatentCache)), None)
+    """Forward pre-hook: give the latent caches the call writes the incoming tokens' RoPE angles."""
     angles = kwargs.get("position_embeddings")
-    if cache is not None and cache.rotary is not None and angles is not None:
-        cache.rotary.pending = angles
+    if angles is None:
+        return
+    for cache in _latent_caches_written((*args, *kwargs.values())):
+        if cache.rotary is not None:
+            cache.rotary.pending = angles
 
 
-def _angle_hooks(model: nn.Module, blocks: list[AttentionBlock], plan: Plan) -> list[RemovableHandle]:
-    """Pre-hooks on the attention of every layer whose keys are cached before RoPE."""
-    pre_rope = {l.layer for l in plan.layers
+def _angle_hooks(model: nn.Module, blocks: list[AttentionBlock], *plans: Plan
+                 ) -> list[RemovableHandle]:
+    """Pre-hooks on the attention of every layer whose keys a plan caches before RoPE."""
+    pre_rope = {l.layer for plan in plans for l in plan.layers
                 if not l.skipped and l.k_compressible and l.k_latent_of == "pre_rope"}
     return [attention_module(model, b).register_forward_pre_hook(_hand_angles_to_cache,
                                                                   with_kwargs=True)
@@ -66,9 +81,10 @@ def _angle_hooks(model: nn.Module, blocks: list[AttentionBlock], plan: Plan) -> 
 
 
 @contextmanager
-def angles_handed(model: nn.Module, blocks: list[AttentionBlock], plan: Plan | None):
-    """Within the block, latent caches of ``plan`` receive their RoPE angles."""
-    handles = _angle_hooks(model, blocks, plan) if plan is not None else []
+def angles_handed(model: nn.Module, blocks: list[AttentionBlock], *plans: Plan | None):
+    """Within the block, latent caches of the ``plans`` (``None``: none) receive their RoPE
+    angles."""
+    handles = _angle_hooks(model, blocks, *(p for p in plans if p is not None))
     try:
         yield
     finally:

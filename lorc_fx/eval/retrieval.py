@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from transformers.cache_utils import DynamicCache
 
-from lorc_fx.analysis.records import AttentionBlock, attention_module
+from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.eval.evaluate import greedy_continuations
@@ -222,7 +222,7 @@ class _PrefillTee(DynamicCache):
     cache): one prefill fills them all. The forward is the full model's whatever the plans:
     a latent cache's prefill (a first write of more than ``PREFILL_TOKENS`` tokens) attends
     the tokens it writes as it computed them (``cache.layers._PrefillAsComputed``), so each
-    returns what it was given."""
+    returns what it was given. ``angles_handed`` reaches the ``latents`` through the tee."""
 
     def __init__(self, config, latents: list[LatentCache]):
         super().__init__(config=config)
@@ -232,16 +232,6 @@ class _PrefillTee(DynamicCache):
         for latent in self.latents:
             latent.update(key_states, value_states, layer_idx, *args, **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
-def _hand_angles_to_latents(module, args, kwargs):
-    """Forward pre-hook: the tee's latent caches that log RoPE angles get the step's."""
-    tee = next((v for v in (*args, *kwargs.values()) if isinstance(v, _PrefillTee)), None)
-    angles = kwargs.get("position_embeddings")
-    if tee is not None and angles is not None:
-        for latent in tee.latents:
-            if latent.rotary is not None:
-                latent.rotary.pending = angles
 
 
 @torch.no_grad()
@@ -265,20 +255,14 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
     device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    modules = {attention_module(model, b) for b in blocks}
     out: dict[str, list[str]] = {name: [] for name in ["full cache", *plans]}
     for s in tqdm(samples, desc="one prefill, every cache", leave=False):
         ids = torch.tensor([s.input_ids], device=device)
         tee = _PrefillTee(config, [LatentCache.from_cache(DynamicCache(config=config), p)
                                    for p in plans.values()])
-        hooks = [m.register_forward_pre_hook(_hand_angles_to_latents, with_kwargs=True)
-                 for m in modules]
-        try:
+        with angles_handed(model, blocks, *plans.values()):
             logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=tee,
                            use_cache=True).logits[:, -1]
-        finally:
-            for hook in hooks:
-                hook.remove()
         caches = dict(zip(plans, tee.latents))
         tee.latents = []  # the tee decodes on as the full cache
         for name, cache, plan in [("full cache", tee, None),
