@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.generation.configuration_utils import GenerationMode
 
 from lorc_fx.analysis.cache_probe import fresh_cache, own_cache_class
@@ -55,7 +55,7 @@ def _latent_caches_written(values) -> list[LatentCache]:
     for value in values:
         if isinstance(value, LatentCache):
             found.append(value)
-        else:
+        elif isinstance(value, Cache):  # only caches: no attribute lookups on tensors each step
             found += [c for c in getattr(value, "latents", ()) if isinstance(c, LatentCache)]
     return found
 

@@ -211,7 +211,8 @@ def test_the_kernel_builds_for_a_gpu_whatever_type_the_scale_is_passed_as(scale_
 
     constexprs = dict(T=1, HAS_MASK=False, HAS_RANGE=False, SINGLE_SPLIT=False, UPCAST=False,
                       PRECISION="ieee", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, BLOCK_V=64)
-    floats = {"m_ptr", "l_ptr", "acc_ptr"}
+    pointers = {**dict.fromkeys(("m_ptr", "l_ptr", "acc_ptr"), "*fp32"),
+                **dict.fromkeys(("mask_ptr", "start_ptr", "length_ptr"), "*i32")}
 
     def arg_type(name: str) -> str:
         if name in constexprs:
@@ -219,8 +220,7 @@ def test_the_kernel_builds_for_a_gpu_whatever_type_the_scale_is_passed_as(scale_
         if name == "qk_scale":
             return scale_type
         if name.endswith("_ptr"):
-            return "*fp32" if name in floats else "*i32" if name in (
-                "mask_ptr", "start_ptr", "length_ptr") else "*bf16"
+            return pointers.get(name, "*bf16")  # q, the latents, the output
         return "i32"
 
     signature = {name: arg_type(name) for name in inspect.signature(kernel.fn).parameters}
