@@ -167,10 +167,7 @@ def encode(z: torch.Tensor, book: VectorBook, assign: Assign = nearest) -> Vecto
     pad = -n % BLOCK
     if pad:  # the last token repeated: a whole block, its bytes counted
         z = torch.cat([z, z[:, -1:].expand(-1, pad, -1)], dim=1)
-    payload = []
-    for (*_, ib), idx in zip(spec.layout(), indices(z, book, assign)):  # (b, S, blocks·BLOCK)
-        blocks = idx.reshape(*idx.shape[:-1], -1, BLOCK)
-        payload.append(pack_bits(blocks, ib).flatten(-2))
+    payload = packed_runs(indices(z, book, assign), [c for c, _ in book.tables])
     return VectorCodes(spec, tuple(payload), n)
 
 
@@ -178,38 +175,74 @@ def indices(z: torch.Tensor, book: VectorBook, assign: Assign = nearest) -> list
     """Each run's nearest-codeword indices of a latent ``z (b, n, r)``, ``(b, S, n)`` int64:
     a token's indices depend on that token alone (``assign``: the nearest codewords of
     ``(S, samples, d)``, :func:`nearest` or a kernel computing the same)."""
+    return run_indices(z, [c for c, _ in book.tables], assign)
+
+
+def layout_of(tables: list[torch.Tensor]) -> list[tuple[int, int, int, int]]:
+    """:meth:`VectorSpec.layout` read off a book's per-run tables ``(S, K, d)`` alone (``K``
+    is ``2^index bits``): what the ops of ``cache.stores.vector_ops`` take instead of a spec."""
+    out, at = [], 0
+    for table in tables:
+        subs, count, d = table.shape
+        out.append((at, subs, d, count.bit_length() - 1))
+        at += subs * d
+    return out
+
+
+def run_indices(z: torch.Tensor, codewords: list[torch.Tensor], assign: Assign = nearest
+                ) -> list[torch.Tensor]:
+    """:func:`indices` against each run's ``codewords (S, K, d)``."""
     out = []
-    for (first, subs, d, _), (codewords, _) in zip(book.spec.layout(), book.tables):
+    for (first, subs, d, _), books in zip(layout_of(codewords), codewords):
         x = _sub_vectors(z, first, subs, d)  # (b, S, n, d)
         b, _, n, _ = x.shape
-        idx = assign(x.transpose(0, 1).reshape(subs, b * n, d), codewords)
+        idx = assign(x.transpose(0, 1).reshape(subs, b * n, d), books)
         out.append(idx.reshape(subs, b, n).transpose(0, 1))
+    return out
+
+
+def packed_runs(idx: list[torch.Tensor], tables: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each run's indices ``(b, S, blocks·BLOCK)`` packed block by block: ``(b, S, blocks·index
+    bytes)`` uint8."""
+    return [pack_bits(run.reshape(*run.shape[:-1], -1, BLOCK), ib).flatten(-2)
+            for (*_, ib), run in zip(layout_of(tables), idx)]
+
+
+def unpacked_runs(payload: list[torch.Tensor], tables: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each run's indices ``(b, S, blocks·BLOCK)`` int64 from its packed ``(b, S, blocks·index
+    bytes)``."""
+    out = []
+    for (*_, ib), packed in zip(layout_of(tables), payload):
+        blocks = packed.reshape(*packed.shape[:-1], -1, ib)  # a block's 8 indices in ib bytes
+        out.append(unpack_bits(blocks, ib).flatten(-2).long())
     return out
 
 
 def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
     """The latent ``(b, tokens, r)`` the codes stand for, in the reconstructions' dtype."""
-    idx = []
-    for (*_, ib), packed in zip(codes.spec.layout(), codes.payload):
-        blocks = packed.reshape(*packed.shape[:-1], -1, ib)  # a block's 8 indices in ib bytes
-        idx.append(unpack_bits(blocks, ib).flatten(-2).long()[..., :codes.tokens])  # (b, S, n)
-    return _rebuilt(idx, book)
+    values = [v for _, v in book.tables]
+    idx = [run[..., :codes.tokens] for run in unpacked_runs(list(codes.payload), values)]
+    return rebuilt(idx, values)
 
 
 def reconstruction(samples: torch.Tensor, book: VectorBook, assign: Assign = nearest
                    ) -> torch.Tensor:
     """Latents ``samples (n, r)`` as their codes decode (``decode(encode(...))`` without the
     packing; ``assign`` as :func:`indices` takes it): ``(n, r)``."""
-    return _rebuilt(indices(samples.float()[None], book, assign), book)[0]
+    return rebuilt(indices(samples.float()[None], book, assign),
+                   [v for _, v in book.tables])[0]
 
 
-def _rebuilt(idx: list[torch.Tensor], book: VectorBook) -> torch.Tensor:
-    """The latent ``(b, n, r)`` of each run's indices ``(b, S, n)``: their reconstructions."""
+def rebuilt(idx: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """The latent ``(b, n, r)`` of each run's indices ``(b, S, n)``: their reconstructions
+    ``values (S, K, d)``, looked up as rows of each run's tables stacked ``(S·K, d)`` (an
+    embedding lookup, laid out token-major as the latent is)."""
     parts = []
-    for (_, subs, d, _), (_, values), run in zip(book.spec.layout(), book.tables, idx):
-        b, _, n = run.shape
-        gathered = values[torch.arange(subs, device=run.device)[:, None], run]  # (b, S, n, d)
-        parts.append(gathered.transpose(1, 2).reshape(b, n, subs * d))
+    for table, run in zip(values, idx):
+        subs, count, d = table.shape
+        rows = run.transpose(1, 2) + torch.arange(0, subs * count, count, device=run.device)
+        parts.append(torch.nn.functional.embedding(rows, table.reshape(subs * count, d))
+                     .flatten(-2))  # (b, n, S·d)
     return torch.cat(parts, dim=-1)
 
 

@@ -78,13 +78,12 @@ class Vector(Scheme):
         return f"vector codes; basis={o.basis}, rope={o.rope}"
 
     def limits(self) -> str:
-        """Compiling is slow: each side's runs of widths code and decode apart, so a decode
-        graph holds hundreds of them (measured in issue #37, docs/schemes/vector.md)."""
-        return ("torch.compile traces coding and decoding into the decode graph, which Inductor "
-                "compiles slowly (the default model's 2.56-bit plan: not done after 14 minutes "
-                "with a static cache, 22 with a dynamic one, on one CPU thread); eager decode, or "
-                "lorc_backend.with_options(inductor=False) (the passes without Inductor), "
-                "avoids that wait")
+        """Compiled decode is slow: each step decodes every token's latent and rebuilds and
+        rotates every key (measured in issue #37, bench/results/long_context_vector-cpu.md)."""
+        return ("compiled decode reads every token decoded and rebuilds every key before RoPE "
+                "each step, so it is slower than the full cache's (the default model's 2.56-bit "
+                "plan after 4096 tokens: 0.13-0.16x its speed on one CPU thread), and Inductor "
+                "takes minutes to compile it (5-8 on the default model)")
 
     def summary(self, plan: Plan) -> str:
         channels, _ = _channels_per_width(plan)

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 
 from lorc_fx.codes.integer import splice
-from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode, encode
-from lorc_fx.kernels.nearest_codeword import nearest_codeword
+from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode
+from lorc_fx.cache.stores.vector_ops import vector_decode, vector_encode
 
 from .integer import SPARE_ROWS, with_spare_rows
 
@@ -126,7 +126,7 @@ class VectorStore:
         rows = (BLOCK - 1 + incoming) // BLOCK * BLOCK + BLOCK
         staged = torch.cat([grown, grown.new_zeros(*new.shape[:-2], rows, new.shape[-1])],
                            dim=-2).narrow(2, 0, rows)
-        fresh = encode(staged[:, 0].float(), self.book, nearest_codeword).payload
+        fresh = vector_encode(staged[:, 0], [c for c, _ in self.book.tables])
         blocks = self.coded // BLOCK
         self.payload = tuple(splice(old, new_codes, -1, blocks * ib,
                                     (blocks + whole // BLOCK + SPARE_BLOCKS) * ib)
@@ -140,9 +140,8 @@ class VectorStore:
         if self.payload is None:
             tokens = window
         else:
-            slots = VectorCodes(self.book.spec, self.payload,
-                                self.coded + SPARE_BLOCKS * BLOCK)  # every slot, never empty
-            decoded = decode(slots, self.book)[:, None].to(window.dtype)
+            decoded = vector_decode(list(self.payload),  # every slot, never empty
+                                    [v for _, v in self.book.tables])[:, None].to(window.dtype)
             both = torch.cat([decoded, window], dim=-2)
             # the coded tokens, then the window's (past the spare slots): a gather, so no
             # tensor has the coded tokens' length alone (0 until a block fills)

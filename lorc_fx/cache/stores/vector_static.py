@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from lorc_fx.codes.integer import pack_bits, unpack_bits
-from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode, indices
-from lorc_fx.kernels.nearest_codeword import nearest_codeword
+from lorc_fx.codes.vector import BLOCK, VectorBook
+from lorc_fx.cache.stores.vector_ops import rewritten_blocks, vector_decode, vector_rewritten
 
 from .full import buffer
 
@@ -70,14 +69,10 @@ class VectorStaticStore:
         """Write latents ``states (b, 1, t, r)`` at ``positions`` (from token ``start``, a 0-d
         tensor), in place."""
         b, _, t, r = states.shape
-        staged = (t + BLOCK - 1) // BLOCK + 1  # blocks a write from any offset reaches
-        block = start // BLOCK + torch.arange(staged, device=states.device)
-        at = start % BLOCK + torch.arange(t, device=states.device)
-        fresh = indices(states[:, 0].float(), self.book, nearest_codeword)
-        for (*_, ib), codes, new in zip(self.book.spec.layout(), self.payload, fresh):
-            held = unpack_bits(codes.index_select(2, block), ib).flatten(-2).long()
-            held = held.index_copy(2, at, new)  # (b, S, staged·BLOCK)
-            codes.index_copy_(2, block, pack_bits(held.unflatten(-1, (staged, BLOCK)), ib))
+        block = rewritten_blocks(start, t)
+        for codes, new in zip(self.payload, vector_rewritten(
+                list(self.payload), states[:, 0], [c for c, _ in self.book.tables], start)):
+            codes.index_copy_(2, block, new)
         # the sink, where this write covers it (a where, not a branch)
         local = (self.sink_at - start).clamp(0, t - 1).view(b, 1, 1, 1).expand(b, 1, 1, r)
         covered = ((self.sink_at >= start) & (self.sink_at < start + t)).view(b, 1, 1, 1)
@@ -86,9 +81,9 @@ class VectorStaticStore:
     def read(self, window: torch.Tensor) -> torch.Tensor:
         """Every allocated position decoded ``(b, 1, max_cache_len, r)``, each row's sink as
         it came."""
-        codes = VectorCodes(self.book.spec, tuple(p.flatten(-2) for p in self.payload),
-                            self.max_cache_len)
-        latents = decode(codes, self.book)[:, None].to(self.sink.dtype)
+        latents = vector_decode([p.flatten(-2) for p in self.payload],
+                                [v for _, v in self.book.tables])
+        latents = latents[:, None, :self.max_cache_len].to(self.sink.dtype)
         b, _, _, r = latents.shape
         return latents.scatter(2, self.sink_at.view(b, 1, 1, 1).expand(b, 1, 1, r), self.sink)
 

@@ -1,0 +1,91 @@
+"""A vector-coded cache side's steps as ops, so a compiled decode step holds a call or two a
+side instead of every run's unpacking, gathers and packing traced out:
+
+- ``lorc::vector_encode(z (b, n, r), codewords)``: each run's packed indices ``(b, S,
+  blocks·index bytes)`` of ``n`` (a whole number of blocks) tokens;
+- ``lorc::vector_decode(payload, values)``: the latents ``(b, blocks·BLOCK, r)`` of every
+  block of slots, in the reconstructions' dtype;
+- ``lorc::vector_rewritten(payload, z (b, t, r), codewords, start)``: the blocks of a static
+  store's ``(b, S, blocks, index bytes)`` that ``t`` tokens written from token ``start`` (a
+  0-d tensor) reach, their indices packed in; the store copies them back in place.
+
+``codewords`` / ``values`` are a book's per-run tables ``(S, K, d)``; they alone say the
+layout (``codes.vector.layout_of``). Why ops: traced out, a side's runs (4 to 5 a side on the
+default model's 2.56-bit plan) lowered to a C++ kernel each for their shifts, masks, gathers
+and splices: a two-layer cut of that model took 292 s to its first compiled ``generate`` on
+the 2-core machine, 79 s with the ops, and the whole model did not finish compiling in 22
+minutes, 5 to 8 with them (bench/results/long_context_vector-cpu.md). Each body is the eager
+maths of ``codes.vector``, so an op computes what the traced steps did, bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from lorc_fx.codes.integer import pack_bits, unpack_bits
+from lorc_fx.codes.vector import (BLOCK, layout_of, packed_runs, rebuilt, run_indices,
+                                  unpacked_runs)
+
+from lorc_fx.kernels.nearest_codeword import nearest_codeword
+
+
+@custom_op("lorc::vector_encode", mutates_args=())
+def vector_encode(z: Tensor, codewords: list[Tensor]) -> list[Tensor]:
+    """Packed indices per run of latents ``z (b, n, r)``, ``n`` whole blocks."""
+    if z.shape[1] % BLOCK:
+        raise ValueError(f"vector_encode codes whole blocks of {BLOCK} tokens, not {z.shape[1]}")
+    return [p.contiguous() for p in
+            packed_runs(run_indices(z.float(), codewords, nearest_codeword), codewords)]
+
+
+@vector_encode.register_fake
+def _(z, codewords):
+    b, n, _ = z.shape
+    return [z.new_empty(b, subs, n // BLOCK * ib, dtype=torch.uint8)
+            for _, subs, _, ib in layout_of(codewords)]
+
+
+@custom_op("lorc::vector_decode", mutates_args=())
+def vector_decode(payload: list[Tensor], values: list[Tensor]) -> Tensor:
+    """The latents ``(b, blocks·BLOCK, r)`` of every block of ``payload``."""
+    return rebuilt(unpacked_runs(payload, values), values).contiguous()
+
+
+@vector_decode.register_fake
+def _(payload, values):
+    (*_, ib), width = layout_of(values)[0], sum(v.shape[0] * v.shape[2] for v in values)
+    b, _, nbytes = payload[0].shape
+    return payload[0].new_empty(b, nbytes // ib * BLOCK, width, dtype=values[0].dtype)
+
+
+@custom_op("lorc::vector_rewritten", mutates_args=())
+def vector_rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor],
+                     start: Tensor) -> list[Tensor]:
+    """The blocks ``(b, S, ceil(t / BLOCK) + 1, index bytes)`` of a static store's ``payload``
+    ``(b, S, blocks, index bytes)`` from the one token ``start`` falls in, with the indices of
+    ``z (b, t, r)``'s tokens packed over theirs from ``start`` (a token's index is its own;
+    the other tokens of those blocks keep theirs). The caller copies them back in place
+    (``index_copy_`` at :func:`rewritten_blocks`): a mutating op would be functionalized, its
+    whole payload cloned every step."""
+    t = z.shape[1]
+    block = rewritten_blocks(start, t)
+    at = start % BLOCK + torch.arange(t, device=z.device)
+    fresh = run_indices(z.float(), codewords, nearest_codeword)
+    out = []
+    for (*_, ib), codes, new in zip(layout_of(codewords), payload, fresh):
+        held = unpack_bits(codes.index_select(2, block), ib).flatten(-2).long()
+        held = held.index_copy(2, at, new)  # (b, S, staged·BLOCK)
+        out.append(pack_bits(held.unflatten(-1, (block.shape[0], BLOCK)), ib).contiguous())
+    return out
+
+
+@vector_rewritten.register_fake
+def _(payload, z, codewords, start):
+    staged = (z.shape[1] + BLOCK - 1) // BLOCK + 1
+    return [p.new_empty(p.shape[0], p.shape[1], staged, p.shape[3]) for p in payload]
+
+
+def rewritten_blocks(start: Tensor, t: int) -> Tensor:
+    """The blocks a write of ``t`` tokens from token ``start`` reaches, from any offset."""
+    return start // BLOCK + torch.arange((t + BLOCK - 1) // BLOCK + 1, device=start.device)
