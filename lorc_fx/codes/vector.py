@@ -107,6 +107,16 @@ class VectorBook:
                                  f"{tuple(codewords.shape)} and {tuple(values.shape)}")
 
     @property
+    def codewords(self) -> list[torch.Tensor]:
+        """Each run's encoder table ``(S, K, d)``."""
+        return [c for c, _ in self.tables]
+
+    @property
+    def reconstructions(self) -> list[torch.Tensor]:
+        """Each run's decoder table ``(S, K, d)``."""
+        return [v for _, v in self.tables]
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the tables (the model's, like its weights; not the cache's)."""
         return sum(c.nbytes + v.nbytes for c, v in self.tables)
@@ -167,7 +177,7 @@ def encode(z: torch.Tensor, book: VectorBook, assign: Assign = nearest) -> Vecto
     pad = -n % BLOCK
     if pad:  # the last token repeated: a whole block, its bytes counted
         z = torch.cat([z, z[:, -1:].expand(-1, pad, -1)], dim=1)
-    payload = packed_runs(indices(z, book, assign), [c for c, _ in book.tables])
+    payload = packed_runs(indices(z, book, assign), book.codewords)
     return VectorCodes(spec, tuple(payload), n)
 
 
@@ -175,7 +185,7 @@ def indices(z: torch.Tensor, book: VectorBook, assign: Assign = nearest) -> list
     """Each run's nearest-codeword indices of a latent ``z (b, n, r)``, ``(b, S, n)`` int64:
     a token's indices depend on that token alone (``assign``: the nearest codewords of
     ``(S, samples, d)``, :func:`nearest` or a kernel computing the same)."""
-    return run_indices(z, [c for c, _ in book.tables], assign)
+    return run_indices(z, book.codewords, assign)
 
 
 def layout_of(tables: list[torch.Tensor]) -> list[tuple[int, int, int, int]]:
@@ -220,7 +230,7 @@ def unpacked_runs(payload: list[torch.Tensor], tables: list[torch.Tensor]) -> li
 
 def decode(codes: VectorCodes, book: VectorBook) -> torch.Tensor:
     """The latent ``(b, tokens, r)`` the codes stand for, in the reconstructions' dtype."""
-    values = [v for _, v in book.tables]
+    values = book.reconstructions
     idx = [run[..., :codes.tokens] for run in unpacked_runs(list(codes.payload), values)]
     return rebuilt(idx, values)
 
@@ -229,8 +239,7 @@ def reconstruction(samples: torch.Tensor, book: VectorBook, assign: Assign = nea
                    ) -> torch.Tensor:
     """Latents ``samples (n, r)`` as their codes decode (``decode(encode(...))`` without the
     packing; ``assign`` as :func:`indices` takes it): ``(n, r)``."""
-    return rebuilt(indices(samples.float()[None], book, assign),
-                   [v for _, v in book.tables])[0]
+    return rebuilt(indices(samples.float()[None], book, assign), book.reconstructions)[0]
 
 
 def rebuilt(idx: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,7 @@ def _book(seed: int = 0) -> VectorBook:
 
 def test_the_ops_code_and_decode_as_the_codes_module():
     book = _book()
-    codewords, values = [c for c, _ in book.tables], [v for _, v in book.tables]
+    codewords, values = book.codewords, book.reconstructions
     z = torch.randn(2, 3 * BLOCK, SPEC.width, generator=torch.Generator().manual_seed(1))
     payload = vector_encode(z, codewords)
     assert all(torch.equal(a, b) for a, b in zip(payload, encode(z, book).payload))
@@ -38,7 +38,7 @@ def test_a_write_packs_its_tokens_into_their_blocks_and_keeps_the_others():
     """Static blocks rewritten for 5 tokens from token 6, then 1 at 11, and copied back:
     those tokens read their codes, every other slot keeps what it held."""
     book = _book(2)
-    codewords = [c for c, _ in book.tables]
+    codewords = book.codewords
     gen = torch.Generator().manual_seed(3)
     before = torch.randn(2, 4 * BLOCK, SPEC.width, generator=gen)
     blocks = [p.unflatten(-1, (4, -1)).clone() for p in encode(before, book).payload]

@@ -41,9 +41,9 @@ import torch
 
 from lorc_fx.codes.integer import splice
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode
-from lorc_fx.cache.stores.vector_ops import vector_decode, vector_encode
 
 from .integer import SPARE_ROWS, with_spare_rows
+from .vector_ops import vector_decode, vector_encode
 
 SPARE_BLOCKS = 2  # blocks of code slots a side keeps past its coded tokens
 
@@ -126,7 +126,7 @@ class VectorStore:
         rows = (BLOCK - 1 + incoming) // BLOCK * BLOCK + BLOCK
         staged = torch.cat([grown, grown.new_zeros(*new.shape[:-2], rows, new.shape[-1])],
                            dim=-2).narrow(2, 0, rows)
-        fresh = vector_encode(staged[:, 0], [c for c, _ in self.book.tables])
+        fresh = vector_encode(staged[:, 0], self.book.codewords)
         blocks = self.coded // BLOCK
         self.payload = tuple(splice(old, new_codes, -1, blocks * ib,
                                     (blocks + whole // BLOCK + SPARE_BLOCKS) * ib)
@@ -141,7 +141,7 @@ class VectorStore:
             tokens = window
         else:
             decoded = vector_decode(list(self.payload),  # every slot, never empty
-                                    [v for _, v in self.book.tables])[:, None].to(window.dtype)
+                                    self.book.reconstructions)[:, None].to(window.dtype)
             both = torch.cat([decoded, window], dim=-2)
             # the coded tokens, then the window's (past the spare slots): a gather, so no
             # tensor has the coded tokens' length alone (0 until a block fills)

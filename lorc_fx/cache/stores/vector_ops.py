@@ -26,7 +26,6 @@ from torch.library import custom_op
 from lorc_fx.codes.integer import pack_bits, unpack_bits
 from lorc_fx.codes.vector import (BLOCK, layout_of, packed_runs, rebuilt, run_indices,
                                   unpacked_runs)
-
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
 
 
@@ -82,10 +81,15 @@ def vector_rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor],
 
 @vector_rewritten.register_fake
 def _(payload, z, codewords, start):
-    staged = (z.shape[1] + BLOCK - 1) // BLOCK + 1
+    staged = _staged(z.shape[1])
     return [p.new_empty(p.shape[0], p.shape[1], staged, p.shape[3]) for p in payload]
+
+
+def _staged(t: int) -> int:
+    """Blocks a write of ``t`` tokens reaches from any offset in its first block."""
+    return (t + BLOCK - 1) // BLOCK + 1
 
 
 def rewritten_blocks(start: Tensor, t: int) -> Tensor:
     """The blocks a write of ``t`` tokens from token ``start`` reaches, from any offset."""
-    return start // BLOCK + torch.arange((t + BLOCK - 1) // BLOCK + 1, device=start.device)
+    return start // BLOCK + torch.arange(_staged(t), device=start.device)

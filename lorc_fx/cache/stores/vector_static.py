@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from lorc_fx.codes.vector import BLOCK, VectorBook
-from lorc_fx.cache.stores.vector_ops import rewritten_blocks, vector_decode, vector_rewritten
 
 from .full import buffer
+from .vector_ops import rewritten_blocks, vector_decode, vector_rewritten
 
 
 class VectorStaticStore:
@@ -71,7 +71,7 @@ class VectorStaticStore:
         b, _, t, r = states.shape
         block = rewritten_blocks(start, t)
         for codes, new in zip(self.payload, vector_rewritten(
-                list(self.payload), states[:, 0], [c for c, _ in self.book.tables], start)):
+                list(self.payload), states[:, 0], self.book.codewords, start)):
             codes.index_copy_(2, block, new)
         # the sink, where this write covers it (a where, not a branch)
         local = (self.sink_at - start).clamp(0, t - 1).view(b, 1, 1, 1).expand(b, 1, 1, r)
@@ -81,8 +81,7 @@ class VectorStaticStore:
     def read(self, window: torch.Tensor) -> torch.Tensor:
         """Every allocated position decoded ``(b, 1, max_cache_len, r)``, each row's sink as
         it came."""
-        latents = vector_decode([p.flatten(-2) for p in self.payload],
-                                [v for _, v in self.book.tables])
+        latents = vector_decode([p.flatten(-2) for p in self.payload], self.book.reconstructions)
         latents = latents[:, None, :self.max_cache_len].to(self.sink.dtype)
         b, _, _, r = latents.shape
         return latents.scatter(2, self.sink_at.view(b, 1, 1, 1).expand(b, 1, 1, r), self.sink)
