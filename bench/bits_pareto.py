@@ -81,7 +81,8 @@ def write_table(doc: dict) -> None:
         if r["method"].startswith("LoRC"):
             lines.append(f"- {r['method']}: " + "; ".join(
                 f"{c['candidate']} {c['bits_per_value']:.2f} b → {c['loss']:.4f}"
-                for c in r["candidates"]) + f" (planned in {r['plan_seconds']:.0f} s)")
+                for c in r["candidates"] if "skipped" not in c)
+                + f" (planned in {r['plan_seconds']:.0f} s)")
     (RESULTS / f"{STEM}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -190,10 +190,13 @@ def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, re
         saved.write_text(json.dumps(result, indent=1))
 
 
-def merge_partial(result: dict, others: list[Path]) -> None:
-    """Fold other shards' partial outputs (their ``OUT.json``) into ``result``'s."""
+def merge_partial(result: dict, others: list[Path], lengths: list[int]) -> None:
+    """Fold other shards' partial outputs (their ``OUT.json``) at ``lengths`` into
+    ``result``'s (another length's are left out: no row of this run would take them)."""
     for other in others:
         for n, methods in json.loads(other.read_text()).get("partial", {}).items():
+            if int(n) not in lengths:
+                continue
             mine = result.setdefault("partial", {}).setdefault(n, {"seconds": 0.0})
             mine["seconds"] = mine.get("seconds", 0.0) + methods["seconds"]
             for m, outputs in methods.items():
@@ -250,7 +253,7 @@ def main() -> None:
                   flush=True)
 
     if args.one_prefill:
-        merge_partial(result, [Path(f) for f in args.merge.split(",") if f])
+        merge_partial(result, [Path(f) for f in args.merge.split(",") if f], lengths)
         shard = tuple(int(k) for k in args.shard.split("/"))
         one_prefill(model, tok, samples, budgets, plans, result, saved, shard)
     else:

@@ -88,11 +88,11 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
 
     ``latent_bits="auto"`` (the default) measures every registered storage scheme's
     candidates (``lorc_fx.schemes``: plain 8- and 4-bit KV quantization first, keys
-    water-filled, vector codes below what plain quantization fits, then low rank at 16-, 8-
-    and 4-bit latents with the rank filling the budget) on held-out text sampled from the
-    model and keeps the least loss; a plain candidate within noise of the uncompressed
-    model's loss ends the search before any calibration (``Plan.candidates`` lists what was
-    measured). ``latent_bits=16 | 8 | 4`` plans low rank alone at that width. "auto" is 16
+    water-filled, vector codes below what plain quantization fits, then, where vector codes
+    do not plan, low rank at 16-, 8- and 4-bit latents with the rank filling the budget) on
+    held-out text sampled from the model and keeps the least loss; a plain candidate within
+    noise of the uncompressed model's loss ends the search before any calibration
+    (``Plan.candidates`` lists what was measured, and what was skipped and why). ``latent_bits=16 | 8 | 4`` plans low rank alone at that width. "auto" is 16
     where nothing is measured (a budget of the whole cache, which stays exact; ``basis``
     ``weight`` or ``norm`` with a ``cache_fraction``).
 

@@ -41,9 +41,18 @@ def plan_table(plan: Plan) -> str:
     if plan.candidates:
         lines.append("candidates measured (held-out calibration loss, best first; a loss within "
                      "0.002 of the uncompressed model's ends the search):")
-        lines += [f"  {c['loss']:.4f}  {c['bits_per_value']:6.3f} bits/value  {c['candidate']}"
-                  for c in plan.candidates]
+        lines += [f"  {_loss(c['loss'])}  {c['bits_per_value']:6.3f} bits/value  {c['candidate']}"
+                  for c in plan.candidates if "skipped" not in c]
+        skipped: dict[str, list[str]] = {}
+        for c in plan.candidates:
+            if "skipped" in c:
+                skipped.setdefault(c["skipped"], []).append(c["candidate"])
+        lines += [f"  not measured ({why}): {'; '.join(names)}" for why, names in skipped.items()]
     return "\n".join(lines)
+
+
+def _loss(loss: float | None) -> str:
+    return "   inf" if loss is None else f"{loss:.4f}"  # None: the plan's loss overflowed
 
 
 def _side(code: Code, rank: int, full: int, latent: bool) -> str:

@@ -169,6 +169,9 @@ def _save_pretrained_plain(self, *args, **kwargs):
     return type(self).save_pretrained(self, *args, **kwargs)
 
 
+_LIMITS_SAID: set[str] = set()  # the schemes whose limits this process has warned of, once each
+
+
 def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
     """Make ``model.generate`` cache latents of ``plan`` (replacing an earlier install); a
     tensor-parallel process caches its own shard's (``_lorc_plan``), and keeps the whole
@@ -177,7 +180,8 @@ def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
     own_cache_class(model)  # found now, before a compile: generate asks it every call
     model._lorc_plan = plan = process_plan(plan, blocks)
     limits = plan.scheme.limits()
-    if limits:
+    if limits and plan.scheme.name not in _LIMITS_SAID:
+        _LIMITS_SAID.add(plan.scheme.name)
         log.warning("this plan stores the cache as %s: %s", plan.scheme.title, limits)
     for handle in getattr(model, "_lorc_hooks", []):
         handle.remove()

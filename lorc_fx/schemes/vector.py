@@ -8,17 +8,19 @@ Planned only where no plain quantization fits the budget (below 4.5 bits per val
 default model): its first fit takes minutes. A channel's relative error is weighed by the
 spectra's energies or by what the loss minds it (``plan.sensitivity``: diagonal Fisher times
 the channel's power, where a side's latent is linear in its projection); which weights, and
-which share of the bits the keys get (``KEY_SHARES``), are chosen together by the held-out
-calibration loss. The shares bracket the best found under either weighting (0.35-0.45 under
+which share of the bits the keys get (``KEY_SHARES``), are chosen by the held-out
+calibration loss: the shares walked under the sensitivities, the energies measured at the
+share they chose. The shares bracket the best found under either weighting (0.35-0.45 under
 the energies, 0.40-0.45 under the sensitivities at 1.92-3 bits, in the run behind
 bench/results/bits_pareto-cpu.md, which logs each at INFO); the sensitivities had the lower
-held-out loss there, by 0.002-0.007 nats, small enough that the energies stay a candidate.
+held-out loss there at every share, by 0.002-0.007 nats, small enough that the energies stay
+a candidate.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -181,21 +183,46 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
     books, rho = fitted_books(model, blocks, full, windows)
-    weightings = {"the spectra's energies": None}
     sensitivities = measured_sensitivities(model, blocks, full, windows)
-    if sensitivities is not None:
-        weightings["the loss's sensitivities"] = sensitivities
-    best = None
-    for (name, weights), share in itertools.product(weightings.items(), KEY_SHARES):
+    measured: dict[tuple[str, float], tuple[float, Plan]] = {}
+
+    def loss_at(name: str, weights: dict[Side, torch.Tensor] | None, share: float) -> float:
         plan = vector_plan(full, inputs, options, books, rho, share, weights)
         loss = held_out_loss(model, blocks, plan)
         log.info("vector codes, channels weighed by %s, keys' share %.2f: held-out loss %.4f",
                  name, share, loss)
-        if best is None or loss < best[0]:
-            best = (loss, plan)
-    loss, plan = best
+        measured[name, share] = loss, plan
+        return loss
+
+    energies = "the spectra's energies"
+    if sensitivities is None:
+        least_over_shares(lambda share: loss_at(energies, None, share))
+    else:  # the energies at the sensitivities' share only: they lost at every share measured
+        share = least_over_shares(
+            lambda share: loss_at("the loss's sensitivities", sensitivities, share))
+        loss_at(energies, None, share)
+    loss, plan = min(measured.values(), key=lambda lp: lp[0])
     plan.basis_note = note
     return plan, loss
+
+
+def least_over_shares(loss_at: Callable[[float], float]) -> float:
+    """The share of ``KEY_SHARES`` with the least ``loss_at``, found by walking from the middle
+    one to the neighbour that lowers the loss until the next raises it (2-3 measured, not 4):
+    the loss is near unimodal in the share (bench/results/bit_waterfill-cpu.md: neighbours
+    0.004-0.02 nats apart, one bump within the standard error)."""
+    i = len(KEY_SHARES) // 2
+    losses = {i: loss_at(KEY_SHARES[i])}
+    for step in (1, -1):
+        j = i + step
+        while 0 <= j < len(KEY_SHARES):
+            losses[j] = loss_at(KEY_SHARES[j])
+            if losses[j] >= losses[j - step]:
+                break
+            j += step
+        if j - step != i:  # the loss fell this way: the other way is not walked
+            break
+    return KEY_SHARES[min(losses, key=losses.get)]
 
 
 VECTOR = register(Vector())

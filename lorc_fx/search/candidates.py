@@ -53,7 +53,8 @@ def candidates(search: SearchContext) -> list[Candidate]:
 
 
 def best_candidate(listed: list[Candidate], progress: bool = True,
-                   enough: float | None = None, budget: Budget | None = None
+                   enough: float | None = None, budget: Budget | None = None,
+                   scheme_losses: dict[str, float] | None = None
                    ) -> tuple[Plan, float | None]:
     """The plan of the candidate with the least held-out loss, and that loss (each
     ``Candidate.build`` plans one and measures its loss, or returns ``None`` where nothing can
@@ -61,12 +62,16 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
     (``UnreachableFraction``) or over it (``over_budget``, where there is more than one
     candidate) are left out; where none plans, the refusal is raised (where there were
     several, one naming the ``budget``, the least any candidate reaches and that candidate's
-    refusal, else why each was refused). A loss at most ``enough`` ends the search. The plan returned records every
-    candidate measured, best first, in ``Plan.candidates``."""
+    refusal, else why each was refused). A loss at most ``enough`` ends the search; a build
+    that raises ``Skipped`` is recorded after them with the reason. Each
+    scheme's least loss so far is kept in ``scheme_losses`` (the later candidates' builds read
+    it: ``SearchContext.scheme_losses``). The plan returned records every candidate measured,
+    best first, in ``Plan.candidates``."""
     from tqdm.auto import tqdm
 
     planned: list[tuple[float, Candidate, Plan]] = []
     refused: list[UnreachableFraction] = []
+    skipped: list[tuple[Candidate, str]] = []
     bar = tqdm(listed, desc="measuring plan candidates", unit="candidate",
                disable=not progress or len(listed) < 2)
     for candidate in bar:
@@ -77,7 +82,8 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
             refused.append(err)
             continue
         except Skipped as why:
-            log.info("lorc_fx: %s", why)
+            log.info("lorc_fx: %s not measured: %s", candidate.name, why)
+            skipped.append((candidate, str(why)))
             continue
         if len(listed) > 1 and over_budget(plan):  # compared at equal bytes only
             size = plan.budget.of(plan)
@@ -89,6 +95,8 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
             bar.close()
             return plan, None
         planned.append((loss, candidate, plan))
+        if scheme_losses is not None:
+            scheme_losses[candidate.scheme] = min(loss, scheme_losses.get(candidate.scheme, loss))
         if enough is not None and loss <= enough:
             bar.set_postfix_str(f"{candidate.name}: within noise of the full cache, search ends")
             break
@@ -99,12 +107,16 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
     planned.sort(key=lambda p: p[0])
     best = planned[0][2]
     if len(listed) > 1:
-        best.candidates = [{"candidate": c.name, "scheme": c.scheme, "rope": c.rope,
-                            "latent_bits": c.latent_bits, "latent_group": c.latent_group,
-                            "loss": None if math.isinf(loss) else loss,
+        best.candidates = [{**_named(c), "loss": None if math.isinf(loss) else loss,
                             "bits_per_value": p.bits_per_value,
-                            "cache_fraction": p.cache_fraction} for loss, c, p in planned]
+                            "cache_fraction": p.cache_fraction} for loss, c, p in planned] \
+            + [{**_named(c), "skipped": why} for c, why in skipped]
     return best, planned[0][0]
+
+
+def _named(c: Candidate) -> dict:
+    return {"candidate": c.name, "scheme": c.scheme, "rope": c.rope,
+            "latent_bits": c.latent_bits, "latent_group": c.latent_group}
 
 
 def _out_of_reach(refused: list[UnreachableFraction], budget: Budget) -> UnreachableFraction:

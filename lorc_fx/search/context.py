@@ -38,7 +38,7 @@ class Candidate:
 
 class Skipped(Exception):
     """A candidate the search need not measure: those measured before it show that it loses
-    (its message says how)."""
+    (its message says how, without the candidate's name)."""
 
 
 @dataclass
@@ -59,6 +59,9 @@ class SearchContext:
     splits: dict[tuple[str, int], float] = field(default_factory=dict)
     # the least held-out loss of a low-rank candidate per (rope, bits) at this budget
     width_losses: dict[tuple[str, int], float] = field(default_factory=dict)
+    # the least held-out loss of each scheme measured at this budget: a scheme may skip the
+    # candidates another's plan covers (low rank where vector codes planned)
+    scheme_losses: dict[str, float] = field(default_factory=dict)
     # what does not depend on the budget, shared by the contexts ``at_budget`` makes
     _inputs: list[LayerInput] | None = None
     _declined: list[LayerInput] | None = None
@@ -79,7 +82,8 @@ class SearchContext:
         """The search at another cache fraction (the target's search measures several)."""
         options = replace(self.options, cache_fraction=cache_fraction, bits_per_value=None,
                           max_ppl_increase=None)
-        return replace(self, options=options, measure=measure, splits={}, width_losses={})
+        return replace(self, options=options, measure=measure, splits={}, width_losses={},
+                       scheme_losses={})
 
     def layer_inputs(self) -> list[LayerInput]:
         """The layers' weights and layouts, with the layers transformers builds its own cache

@@ -102,7 +102,7 @@ def best_plan(search: SearchContext, progress: bool = False, full_loss: float | 
             full_loss = calibration_loss(search.model, search.blocks, None,
                                          held_out_windows(search.model, search.options))
         enough = full_loss + NEGLIGIBLE_LOSS
-    return best_candidate(listed, progress, enough, search.options.budget)
+    return best_candidate(listed, progress, enough, search.options.budget, search.scheme_losses)
 
 
 def _plan_within(search: SearchContext, max_ppl_increase: float) -> Plan:
@@ -144,10 +144,12 @@ def _shards(blocks: list[AttentionBlock], asked: int | None) -> int:
     return split.count
 
 
-def _plain_fits(search: SearchContext) -> bool:
-    """Whether plain quantization at the widest searched width below 16 fits the budget
-    (its candidates are measured first, and may end the search before any calibration)."""
-    bits = max(w for w in search.widths if w != 16)
+def _plain_fits(search: SearchContext, widest: bool = True) -> bool:
+    """Whether plain quantization at the widest searched width below 16 (else the narrowest)
+    fits the budget: where the widest does, its candidates are measured first and may end
+    the search before any calibration; where not even the narrowest does, vector codes plan
+    (``schemes.vector``) and no low-rank candidate is measured."""
+    bits = (max if widest else min)(w for w in search.widths if w != 16)
     options = search.candidate_options("commute", bits, max(search.groups))
     return not over_budget(plain_quantized_plan(search.layer_inputs(), options))
 
@@ -163,6 +165,10 @@ def _announce_first_plan(search: SearchContext, plain_first: bool) -> Path | Non
     where = user_cache_dir() / "calibration"
     low_rank = ("attention statistics and the key/value split of "
                 f"{' and '.join(search.modes)} RoPE mode(s) for low-rank candidates")
+    if search.searched and "reconstruct" in search.modes and not _plain_fits(search, False):
+        low_rank = ("attention statistics of reconstruct RoPE mode, then codebooks of vector "
+                    "codes for every layer's keys and values and the loss's sensitivity to "
+                    "each of their latent channels")
     steps = ["sampling text from the model"] if SELF_TEXT in options.calibration.texts else []
     if plain_first:
         steps.append("measuring plain 8- and 4-bit KV quantization on held-out windows of it, "

@@ -9,7 +9,8 @@ from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import plan_layers
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.search.candidates import best_candidate, candidates, over_budget
-from lorc_fx.search.context import Candidate, SearchContext
+from lorc_fx.report import plan_table
+from lorc_fx.search.context import Candidate, SearchContext, Skipped
 from helpers.families import build, config_for
 from helpers.plan_inputs import random_layers
 
@@ -67,6 +68,32 @@ def test_the_least_loss_wins_and_every_measured_candidate_is_recorded():
     assert [c["latent_bits"] for c in best.candidates] == [8, 4, 16]
     assert [c["loss"] for c in best.candidates] == [2.5, 2.75, 3.0]
     assert all(c["scheme"] == "low_rank" for c in best.candidates)
+
+
+def test_each_schemes_least_loss_is_kept_and_a_skipped_candidate_is_reported_with_why():
+    def skipped():
+        raise Skipped("covered")
+
+    losses = {}
+    best, _ = best_candidate([candidate(8, lambda: (_plan(8), 2.5), "vector"),
+                              candidate(4, lambda: (_plan(4), 2.25), "vector"),
+                              candidate(4, skipped)], progress=False, scheme_losses=losses)
+    assert losses == {"vector": 2.25}
+    assert [c.get("loss") for c in best.candidates] == [2.25, 2.5, None]
+    assert best.candidates[-1]["skipped"] == "covered"
+    assert "  not measured (covered): low_rank at 4 bits" in plan_table(best).splitlines()
+
+
+def test_no_low_rank_candidate_is_measured_where_vector_codes_planned():
+    search = SearchContext(None, [], PlanOptions(), ["commute", "reconstruct"], (16, 8, 4),
+                           (32, 64), True)
+    low_rank = [c for c in candidates(search) if c.scheme == "low_rank"]
+    search.scheme_losses["vector"] = 2.4  # the model is None: a build that measures fails
+    for c in low_rank:
+        with pytest.raises(Skipped, match=r"vector codes planned at this budget \(held-out "
+                                          r"loss 2\.4000\)"):
+            c.build()
+    assert not search.at_budget(0.3, True).scheme_losses  # another budget measures again
 
 
 def test_over_budget_candidates_are_left_out_and_no_plan_is_a_refusal():
@@ -134,7 +161,7 @@ def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model
     blocks = analyze(model)
     report = compress(model, bits_per_value=9.5, basis="weight", schedule="uniform",
                       rope="commute", blocks=blocks, progress=False)
-    measured = report.plan.candidates
+    measured = [c for c in report.plan.candidates if "skipped" not in c]
     names = [c["candidate"] for c in measured]
     assert {f"plain KV quantization, {b}-bit, G{g}" for b in (8, 4) for g in (32, 64)} <= \
         set(names)
@@ -143,6 +170,7 @@ def test_a_bit_budget_measures_plain_quantization_and_keeps_the_least_loss(model
     # 8- and 4-bit latents in groups of 32 and 64, 4 plain, and 16-bit latents unless 8-bit
     # ones lost more than 4-bit ones (a wider width still is not measured)
     assert len(measured) == 8 + (least[8] <= least[4])
+    assert len(report.plan.candidates) == 9  # the 16-bit one reported where it is skipped
     assert any(c["latent_bits"] == 16 for c in measured) == (least[8] <= least[4])
     assert measured[0]["loss"] == min(c["loss"] for c in measured)
     assert all(c["bits_per_value"] <= 9.5 + 0.5 for c in measured)
@@ -198,12 +226,15 @@ def test_a_bit_budget_measures_keys_water_filled_beside_plain_values(model, tmp_
 def test_below_plain_quantization_vector_codes_are_measured(model, tmp_path, monkeypatch):
     """At 3 bits per value no plain candidate fits: the vector candidate is planned (books
     fitted on calibration latents of the model, cached on disk) and measured, within the
-    budget, and its recorded loss is its own where it wins; at 9.5 bits it is not planned."""
+    budget, and its recorded loss is its own where it wins; no low-rank candidate is
+    measured after it (each reported skipped); at 9.5 bits it is not planned."""
     from lorc_fx.analysis import analyze
     from lorc_fx.plan.options import CalibrationOptions
     from lorc_fx.search.split import held_out_loss
 
     monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    # no early end (random weights: every candidate is within noise of the full model)
+    monkeypatch.setattr("lorc_fx.search.planning.NEGLIGIBLE_LOSS", -math.inf)
     blocks = analyze(model)
     calibration = CalibrationOptions(tokens=1024, window=128)
     report = compress(model, bits_per_value=3.0, basis="weight", schedule="uniform",
@@ -213,6 +244,8 @@ def test_below_plain_quantization_vector_codes_are_measured(model, tmp_path, mon
     (name,) = [n for n, c in measured.items() if c["scheme"] == "vector"]
     assert not any(c["scheme"] == "plain" for c in measured.values())
     assert measured[name]["bits_per_value"] <= 3.0 + 1e-9
+    low_rank = [c for c in measured.values() if c["scheme"] == "low_rank"]
+    assert low_rank and all("vector codes planned" in c["skipped"] for c in low_rank)
     assert list((tmp_path / "calibration").glob("vector-*.pt"))
     if report.plan.scheme.name == "vector":
         assert math.isclose(held_out_loss(model, blocks, report.plan), measured[name]["loss"],
