@@ -92,8 +92,9 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     do not plan, low rank at 16-, 8- and 4-bit latents with the rank filling the budget) on
     held-out text sampled from the model and keeps the least loss; a plain candidate within
     noise of the uncompressed model's loss ends the search before any calibration
-    (``Plan.candidates`` lists what was measured, and what was skipped and why). ``latent_bits=16 | 8 | 4`` plans low rank alone at that width. "auto" is 16
-    where nothing is measured (a budget of the whole cache, which stays exact; ``basis``
+    (``Plan.candidates`` lists what was measured, and what was skipped and why).
+    ``latent_bits=16 | 8 | 4`` plans low rank alone at that width. "auto" is 16 where
+    nothing is measured (a budget of the whole cache, which stays exact; ``basis``
     ``weight`` or ``norm`` with a ``cache_fraction``).
 
     ``basis="auto"`` picks the best basis calibration allows (``lorc_fx.plan.bases.resolve``);

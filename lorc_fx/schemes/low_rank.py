@@ -19,8 +19,9 @@ calibrated basis, keys before RoPE, 0.5 to 6 bits or drop it, so their allocatio
 ``reconstruct``'s ranks and 4-bit widths with no scales to store, and ``commute`` is low rank
 over a basis constrained to turn with RoPE, which keeps no more at a rank. On the default
 model they beat every low-rank candidate by 0.08, 0.15 and 0.31 nats at 3, 2.56 and 1.92
-bits per value (bench/results/bits_pareto-cpu.md), and skipping them halves a first plan
-there (two split searches and eight held-out losses, ~5 minutes on 2 cores).
+bits per value (bench/results/bits_pareto-cpu.md), and skipping them takes ~4.5 minutes (two
+split searches and eight held-out losses) off the 12 of a first 2.56-bit plan there on 2
+threads.
 """
 from __future__ import annotations
 

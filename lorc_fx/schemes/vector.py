@@ -12,9 +12,9 @@ which share of the bits the keys get (``KEY_SHARES``), are chosen by the held-ou
 calibration loss: the shares walked under the sensitivities, the energies measured at the
 share they chose. The shares bracket the best found under either weighting (0.35-0.45 under
 the energies, 0.40-0.45 under the sensitivities at 1.92-3 bits, in the run behind
-bench/results/bits_pareto-cpu.md, which logs each at INFO); the sensitivities had the lower
-held-out loss there at every share, by 0.002-0.007 nats, small enough that the energies stay
-a candidate.
+bench/results/bits_pareto-cpu.md, which logs each at INFO); the sensitivities' best had the
+lower held-out loss there at every budget, by 0.002-0.007 nats, small enough that the
+energies stay a candidate.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     energies = "the spectra's energies"
     if sensitivities is None:
         least_over_shares(lambda share: loss_at(energies, None, share))
-    else:  # the energies at the sensitivities' share only: they lost at every share measured
+    else:  # the energies at the sensitivities' share only: their best lost at every budget
         share = least_over_shares(
             lambda share: loss_at("the loss's sensitivities", sensitivities, share))
         loss_at(energies, None, share)
@@ -208,7 +208,7 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
 
 def least_over_shares(loss_at: Callable[[float], float]) -> float:
     """The share of ``KEY_SHARES`` with the least ``loss_at``, found by walking from the middle
-    one to the neighbour that lowers the loss until the next raises it (2-3 measured, not 4):
+    one to the neighbour that lowers the loss until the next raises it (2-4 measured, not 4):
     the loss is near unimodal in the share (bench/results/bit_waterfill-cpu.md: neighbours
     0.004-0.02 nats apart, one bump within the standard error)."""
     i = len(KEY_SHARES) // 2
