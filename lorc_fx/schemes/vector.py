@@ -30,13 +30,13 @@ from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.codes.vector import VectorBook, select
 from lorc_fx.plan.calibration import calibration_tokenizer, calibration_windows
 from lorc_fx.plan.options import PlanOptions
-from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plain_quantized_plan,
-                                  plan_layers, value_energies)
+from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
+                                  value_energies)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
 from lorc_fx.plan.sensitivity import Side
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
-from lorc_fx.search.candidates import over_budget
+from lorc_fx.search.candidates import plain_fits
 from lorc_fx.search.codebooks import (TUPLE_DIMS, WIDTHS, coded_sides, fitted_books,
                                       measured_sensitivities)
 from lorc_fx.search.context import Candidate, SearchContext
@@ -66,9 +66,7 @@ class Vector(Scheme):
             raise UnreachableFraction(f"{name}: not planned over shards", math.inf)
         if not any(l.compress_v for l in search.layer_inputs()):  # no latents to fit books on
             raise UnreachableFraction(f"{name}: no layer caches value latents", math.inf)
-        cheapest = plain_quantized_plan(search.layer_inputs(), search.candidate_options(
-            "commute", min(search.widths), max(search.groups)))
-        if not over_budget(cheapest):
+        if plain_fits(search, min(search.widths)):
             raise UnreachableFraction(f"{name}: planned only where plain quantization does not "
                                       "fit the budget", math.inf)
         resolved, inputs, note = search.prepared("reconstruct")

@@ -23,7 +23,7 @@ import logging
 import math
 
 from lorc_fx.plan.options import Budget
-from lorc_fx.plan.planner import Plan
+from lorc_fx.plan.planner import Plan, plain_quantized_plan
 from lorc_fx.plan.scheme import SCHEMES
 from lorc_fx.plan.schedules import UnreachableFraction
 
@@ -44,6 +44,13 @@ def over_budget(plan: Plan) -> bool:
     _, float_bits = budget.bits(plan.dtype_bits)
     step = o.rank_multiple * o.latent_bits_per_value(float_bits) / full
     return budget.of(plan) > budget.value + budget.of_bits(step, plan.dtype_bits) + 1e-9
+
+
+def plain_fits(search: SearchContext, bits: int) -> bool:
+    """Whether plain quantization at ``bits`` fits ``search``'s budget, in the largest group
+    searched (its fewest bytes)."""
+    options = search.candidate_options("commute", bits, max(search.groups))
+    return not over_budget(plain_quantized_plan(search.layer_inputs(), options))
 
 
 def candidates(search: SearchContext) -> list[Candidate]:

@@ -25,10 +25,10 @@ from lorc_fx.plan.calibration import (CalibrationUnavailable, cache_path, calibr
                                       can_read, sample_self_text, sampled_before,
                                       self_text_request, usable_calibration)
 from lorc_fx.plan.options import AUTO, SELF_TEXT, CalibrationOptions, PlanOptions
-from lorc_fx.plan.planner import Plan, plain_quantized_plan
+from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.schedules import UnreachableFraction
 
-from .candidates import NEGLIGIBLE_LOSS, best_candidate, candidates, over_budget
+from .candidates import NEGLIGIBLE_LOSS, best_candidate, candidates, plain_fits
 from .context import CALIBRATED_BASES, SearchContext, bit_choices, group_choices, rope_modes
 from .fraction import bisection_steps, smallest_fraction
 from .split import calibration_loss, held_out_calibration, held_out_loss, held_out_windows
@@ -44,7 +44,9 @@ def plan_model(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpti
     search = search_context(model, blocks, options)
     first, start = None, time.perf_counter()
     if search.calibrates or search.searched:
-        plain_first = search.searched and _plain_fits(search)
+        # plain quantization at its widest fits: its candidates, measured first, may end
+        # the search before any calibration
+        plain_first = search.searched and plain_fits(search, _coded_widths(search)[-1])
         first = _announce_first_plan(search, plain_first)
         options = search.options
         wanted = ([] if plain_first else [options.calibration]) + (
@@ -144,14 +146,9 @@ def _shards(blocks: list[AttentionBlock], asked: int | None) -> int:
     return split.count
 
 
-def _plain_fits(search: SearchContext, widest: bool = True) -> bool:
-    """Whether plain quantization at the widest searched width below 16 (else the narrowest)
-    fits the budget: where the widest does, its candidates are measured first and may end
-    the search before any calibration; where not even the narrowest does, vector codes plan
-    (``schemes.vector``) and no low-rank candidate is measured."""
-    bits = (max if widest else min)(w for w in search.widths if w != 16)
-    options = search.candidate_options("commute", bits, max(search.groups))
-    return not over_budget(plain_quantized_plan(search.layer_inputs(), options))
+def _coded_widths(search: SearchContext) -> list[int]:
+    """The searched widths below 16, narrowest first."""
+    return sorted(w for w in search.widths if w != 16)
 
 
 def _announce_first_plan(search: SearchContext, plain_first: bool) -> Path | None:
@@ -165,7 +162,10 @@ def _announce_first_plan(search: SearchContext, plain_first: bool) -> Path | Non
     where = user_cache_dir() / "calibration"
     low_rank = ("attention statistics and the key/value split of "
                 f"{' and '.join(search.modes)} RoPE mode(s) for low-rank candidates")
-    if search.searched and "reconstruct" in search.modes and not _plain_fits(search, False):
+    # where not even the narrowest plain quantization fits, vector codes plan
+    # (``schemes.vector``) and no low-rank candidate is measured
+    if search.searched and "reconstruct" in search.modes \
+            and not plain_fits(search, _coded_widths(search)[0]):
         low_rank = ("attention statistics of reconstruct RoPE mode, then codebooks of vector "
                     "codes for every layer's keys and values and the loss's sensitivity to "
                     "each of their latent channels")
