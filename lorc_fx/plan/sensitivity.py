@@ -51,6 +51,20 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
     """Per side of ``sides`` (coded by the full-rank ``full``), ``F_c·E[z_c²]`` of each latent
     channel over ``windows``, float64; ``None`` where a side's latent is not linear in its
     projection's output (shows progress: a forward and backward per batch)."""
+    measured = sensitivities_and_latents(model, blocks, full, sides, windows, batch_size,
+                                         keep_latents=False)
+    return None if measured is None else measured[0]
+
+
+def sensitivities_and_latents(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                              sides: list[Side], windows: torch.Tensor, batch_size: int = 2,
+                              keep_latents: bool = True
+                              ) -> tuple[dict[Side, torch.Tensor], dict[Side, torch.Tensor]] | None:
+    """:func:`latent_sensitivities`, and with ``keep_latents`` each side's latents ``z`` on
+    ``windows`` from the same forward, ``(samples, r)`` float32, each window's first token left
+    out (``search.codebooks.calibration_latents``' samples, the projection's rows taken by
+    ``P`` here rather than by the cache: the same up to rounding), so that a first plan runs
+    the calibration text once for both."""
     block = {b.layer: b for b in blocks}
     layer = {l.layer: l for l in full.layers}
     if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):
@@ -79,6 +93,7 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
     model.requires_grad_(False)
     fisher = {s: 0.0 for s in sides}
     power = {s: 0.0 for s in sides}
+    latents: dict[Side, list[torch.Tensor]] = {s: [] for s in sides} if keep_latents else {}
     tokens = 0
     try:
         for batch in tqdm(windows.split(batch_size), desc="lorc: measuring the loss's "
@@ -94,6 +109,8 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
                 dz = _rows(shifts[name].grad, rows) @ rebuild.T
                 fisher[side] = fisher[side] + (dz ** 2).sum(0).cpu()
                 power[side] = power[side] + (z ** 2).sum(0).cpu()
+                if keep_latents:
+                    latents[side].append(z.float().cpu())
             tokens += batch[:, 1:].numel()
             outputs.clear()
             shifts.clear()
@@ -102,4 +119,5 @@ def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: P
             h.remove()
         for p, flag in zip(model.parameters(), needs_grad):
             p.requires_grad_(flag)
-    return {s: fisher[s] * power[s] / tokens ** 2 for s in sides}
+    return ({s: fisher[s] * power[s] / tokens ** 2 for s in sides},
+            {s: torch.cat(parts) for s, parts in latents.items()})

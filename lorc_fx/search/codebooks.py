@@ -1,11 +1,12 @@
 """The vector scheme's codebooks: fitted on calibration latents, cached on disk per model.
 
-The calibration windows run once through the latent cache of the full-rank plan (keys before
-RoPE); every layer's cached latents, less each window's first token (the sink, never coded),
-are the samples. Per side and per width of ``WIDTHS`` a book is fitted on them
-(``codes.vector.fit``: k-means per sub-vector, reconstructions keeping each channel's
-variance) and its relative squared error per channel measured on the same samples; the
-scheme's allocation cuts each layer's book from those (``codes.vector.select``).
+The calibration windows run once through the model, forward and backward: every layer's
+latents of the full-rank plan (keys before RoPE), less each window's first token (the sink,
+never coded), are the samples, and the gradients give the loss's sensitivities
+(``plan.sensitivity``) in the same pass. Per side and per width of ``WIDTHS`` a book is
+fitted on them (``codes.vector.fit``: k-means per sub-vector, reconstructions keeping each
+channel's variance) and its relative squared error per channel measured on the same
+samples; the scheme's allocation cuts each layer's book from those (``codes.vector.select``).
 
 Why these constants (bench/results/bit_waterfill-cpu.md, fake-quantized on news, Austen and
 poems with the share chosen on the planner's held-out windows): tuples of 16 channels and
@@ -27,7 +28,7 @@ from lorc_fx.data.models import user_cache_dir
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
 from lorc_fx.plan.calibration import model_fingerprint, sampling_key, save_atomic
 from lorc_fx.plan.planner import Plan
-from lorc_fx.plan.sensitivity import Side, latent_sensitivities
+from lorc_fx.plan.sensitivity import Side, sensitivities_and_latents
 
 from .windows import through_cache
 
@@ -124,21 +125,56 @@ def _read_books(data: dict, full: Plan) -> tuple[Books, dict[Side, dict[float, t
     return books, rho
 
 
-def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
-                 windows: torch.Tensor) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
-    """The books fitted on the latents of ``full`` on ``windows`` and their coding errors
-    there (:func:`fit_books`, :func:`coding_errors`), from the disk cache where these were
-    fitted before under the same bases (``BASES_ATOL``): a later plan neither runs the
-    windows nor measures again (else fitted, ~3.5 min at one thread for the default model, and
-    written there, said once)."""
-    path, bases = _books_file(model, full), _bases(full)
-    if path.is_file():
-        data = torch.load(path, weights_only=True)
-        if _fitted_under(data, bases):
-            return _read_books(data, full)
+def _cached(model: nn.Module, full: Plan, what: str) -> dict | None:
+    """The ``what`` file of ``full`` (:func:`_books_file`) where it was written under the bases
+    of ``full`` (``BASES_ATOL``); else ``None``, with a warning where one was written under
+    other bases."""
+    path = _books_file(model, full, what)
+    if not path.is_file():
+        return None
+    data = torch.load(path, weights_only=True)
+    if _fitted_under(data, _bases(full)):
+        return data
+    if what == "vector":
         log.warning("vector codes: the calibrated bases are not those the cached codebooks in "
                     "%s were fitted under; fitting them again", path)
-    samples = calibration_latents(model, blocks, full, windows)
+    return None
+
+
+def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                 windows: torch.Tensor
+                 ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]],
+                            dict[Side, torch.Tensor] | None]:
+    """The books fitted on the latents of ``full`` on ``windows``, their coding errors there
+    (:func:`fit_books`, :func:`coding_errors`) and the loss's sensitivities to each latent
+    channel (:func:`~lorc_fx.plan.sensitivity.latent_sensitivities`; ``None`` where a side's
+    latent is not linear in its projection), each read from the disk cache where it was
+    computed before under the same bases (``BASES_ATOL``), else computed and written there.
+
+    A first plan runs ``windows`` once for both: one forward and backward per batch gives the
+    sensitivities and the latents the books are fitted on (:func:`~lorc_fx.plan.sensitivity.
+    sensitivities_and_latents`); only where the sensitivities cannot be measured do the
+    latents come from a forward through the cache (:func:`calibration_latents`). The fit
+    takes ~2 min at two threads on the default model, said once."""
+    books_data, weights_data = _cached(model, full, "vector"), _cached(model, full, "sensitivity")
+    sides, samples = coded_sides(full), None
+    sensitivities = None if weights_data is None else {
+        (layer, side): weights_data["sensitivities"][f"{layer}/{side}"] for layer, side in sides}
+    if sensitivities is None:
+        measured = sensitivities_and_latents(model, blocks, full, sides, windows,
+                                             keep_latents=books_data is None)
+        if measured is not None:
+            sensitivities, samples = measured
+            path = _books_file(model, full, "sensitivity")
+            save_atomic({"sensitivities": {f"{layer}/{side}": weight
+                                           for (layer, side), weight in sensitivities.items()},
+                         "bases": _bases(full)}, path)
+            log.info("vector codes: the loss's sensitivities kept in %s", path)
+    if books_data is not None:
+        return (*_read_books(books_data, full), sensitivities)
+    if not samples:
+        samples = calibration_latents(model, blocks, full, windows)
+    path = _books_file(model, full)
     log.warning("vector codes: fitting codebooks for every coded side at %d widths on %d "
                 "calibration latents each (once per model: they are cached in %s)",
                 len(WIDTHS), next(iter(samples.values())).shape[0], path.parent)
@@ -149,8 +185,8 @@ def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
                            for b, book in by_width.items()},
                  "errors": {f"{layer}/{side}/{b}": err for (layer, side), by_width in rho.items()
                             for b, err in by_width.items()},
-                 "bases": bases}, path)
-    return books, rho
+                 "bases": _bases(full)}, path)
+    return books, rho, sensitivities
 
 
 def coding_errors(samples: dict[Side, torch.Tensor], books: Books
@@ -162,24 +198,3 @@ def coding_errors(samples: dict[Side, torch.Tensor], books: Books
         out[key] = {b: ((reconstruction(x, book, nearest_codeword) - x).double() ** 2).sum(0)
                     / power for b, book in books[key].items()}
     return out
-
-
-def measured_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
-                           windows: torch.Tensor) -> dict[Side, torch.Tensor] | None:
-    """:func:`~lorc_fx.plan.sensitivity.latent_sensitivities` of every coded side of ``full``
-    on ``windows``, from the disk cache beside the books where measured before under the same
-    bases (else measured, a forward and backward per batch of windows: ~1 min at one thread
-    on the default model, and written there)."""
-    path, bases = _books_file(model, full, "sensitivity"), _bases(full)
-    if path.is_file():
-        data = torch.load(path, weights_only=True)
-        if _fitted_under(data, bases):
-            return {(layer, side): data["sensitivities"][f"{layer}/{side}"]
-                    for layer, side in coded_sides(full)}
-    measured = latent_sensitivities(model, blocks, full, coded_sides(full), windows)
-    if measured is not None:
-        save_atomic({"sensitivities": {f"{layer}/{side}": weight
-                                       for (layer, side), weight in measured.items()},
-                     "bases": bases}, path)
-        log.info("vector codes: the loss's sensitivities kept in %s", path)
-    return measured

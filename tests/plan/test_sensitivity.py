@@ -8,7 +8,7 @@ import torch
 from lorc_fx.analysis import analyze
 from lorc_fx.api import compress
 from lorc_fx.plan.calibration import owner_module
-from lorc_fx.plan.sensitivity import latent_sensitivities
+from lorc_fx.plan.sensitivity import latent_sensitivities, sensitivities_and_latents
 from lorc_fx.search.codebooks import calibration_latents, coded_sides
 from helpers.families import VOCAB, build, config_for
 
@@ -87,6 +87,23 @@ def test_sensitivities_are_fisher_times_the_cached_latents_power(model, windows)
         power = (cached[side].double() ** 2).mean(0)
         torch.testing.assert_close(got[side], fisher[side] * power, rtol=1e-3, atol=1e-12)
         assert (got[side] > 0).all()
+
+
+def test_the_sensitivities_pass_gives_the_latents_the_cache_holds(model, windows):
+    """What the books are fitted on in a first plan: the latents of the sensitivities' own
+    forward, the ones a forward through the full-rank cache stores (keys before RoPE)."""
+    blocks = analyze(model)
+    plan = oblique(compress(model, 1.0, schedule="uniform", basis="weight",
+                            rope="reconstruct").plan)
+    sides = coded_sides(plan)
+    weights, latents = sensitivities_and_latents(model, blocks, plan, sides, windows)
+    cached = calibration_latents(model, blocks, plan, windows)
+    assert set(latents) == set(cached) == set(sides)
+    for side in sides:
+        assert latents[side].dtype == torch.float32
+        torch.testing.assert_close(latents[side], cached[side], rtol=1e-4, atol=1e-5)
+    again = latent_sensitivities(model, blocks, plan, sides, windows)
+    assert all(torch.equal(weights[s], again[s]) for s in sides)
 
 
 def test_keys_cached_after_rope_have_no_sensitivity(model, windows):

@@ -11,20 +11,41 @@ from lorc_fx.search import codebooks as codebooks
 from helpers.plan_inputs import random_layers
 
 
+def _fake_passes(monkeypatch, tmp_path, measurable=True):
+    """``codebooks`` writing to ``tmp_path``, its model passes faked on random latents: the
+    forward and backward (sensitivities and latents; ``None`` where not ``measurable``) and
+    the forward through the cache (latents). Returns the calls each got."""
+    gen = torch.Generator().manual_seed(0)
+    calls = {"both": [], "latents": [], "fits": []}
+    monkeypatch.setattr(codebooks, "_books_file",
+                        lambda model, plan, what="vector": tmp_path / f"{what}-x.pt")
+
+    def latents(sides):
+        return {side: torch.randn(300, 16, generator=gen) for side in sides}
+
+    def both(model, blocks, plan, sides, windows, keep_latents=True):
+        calls["both"].append(keep_latents)
+        if not measurable:
+            return None
+        return ({side: torch.rand(16, dtype=torch.float64, generator=gen) for side in sides},
+                latents(sides) if keep_latents else {})
+
+    monkeypatch.setattr(codebooks, "sensitivities_and_latents", both)
+    monkeypatch.setattr(codebooks, "calibration_latents", lambda model, blocks, plan, windows:
+                        calls["latents"].append(1) or latents(codebooks.coded_sides(plan)))
+    fit = codebooks.fit_books
+    monkeypatch.setattr(codebooks, "fit_books", lambda samples: calls["fits"].append(1) or fit(
+        samples, widths=codebooks.WIDTHS, iters=2))
+    return calls
+
+
 def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch, caplog):
     full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
-    gen = torch.Generator().manual_seed(0)
-    monkeypatch.setattr(codebooks, "_books_file", lambda model, plan: tmp_path / "books.pt")
-    monkeypatch.setattr(codebooks, "calibration_latents", lambda model, blocks, plan, windows: {
-        side: torch.randn(300, 16, generator=gen) for side in codebooks.coded_sides(plan)})
-    fits = []
-    fit = codebooks.fit_books
-    monkeypatch.setattr(codebooks, "fit_books", lambda samples: fits.append(1) or fit(
-        samples, widths=codebooks.WIDTHS, iters=2))
+    calls = _fake_passes(monkeypatch, tmp_path, measurable=False)
 
-    books, rho = codebooks.fitted_books(None, [], full, None)
-    again, rho_again = codebooks.fitted_books(None, [], full, None)
-    assert len(fits) == 1
+    books, rho, weights = codebooks.fitted_books(None, [], full, None)
+    again, rho_again, _ = codebooks.fitted_books(None, [], full, None)
+    assert weights is None and len(calls["fits"]) == len(calls["latents"]) == 1
     side = next(iter(books))
     for b in codebooks.WIDTHS:
         assert all(torch.equal(x, y) for x, y in zip(books[side][b].tables[0],
@@ -34,41 +55,37 @@ def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch
     # what another thread count does to the bases (~1e-12): the books are still theirs
     nudged = [replace(l, k_basis=l.k_basis + 1e-10) for l in full.layers]
     codebooks.fitted_books(None, [], replace(full, layers=nudged), None)
-    assert len(fits) == 1
+    assert len(calls["fits"]) == 1
     # a basis that moved: the books coded other latents, so they are fitted again, said once
     moved = [replace(l, v_basis=l.v_basis.flip(0)) for l in full.layers]
     with caplog.at_level(logging.WARNING, logger="lorc_fx"):
         codebooks.fitted_books(None, [], replace(full, layers=moved), None)
-    assert len(fits) == 2
+    assert len(calls["fits"]) == 2
     assert any("not those the cached codebooks" in r.getMessage() for r in caplog.records)
 
 
-def test_sensitivities_are_measured_once_under_the_same_bases(tmp_path, monkeypatch):
-    """The loss's sensitivities are kept beside the books: a later plan under the same bases
-    reads them back, one under moved bases measures them again; a side without them (None)
-    writes nothing."""
+def test_a_first_plan_runs_the_calibration_text_once(tmp_path, monkeypatch):
+    """Where the sensitivities can be measured, their forward and backward also gives the
+    latents the books are fitted on: no forward through the cache. Both are kept beside each
+    other: a later plan under the same bases runs nothing and reads the same; one under
+    moved bases measures and fits again; with the books on disk, the sensitivities' pass keeps
+    no latents."""
     full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
-    monkeypatch.setattr(codebooks, "_books_file",
-                        lambda model, plan, what="vector": tmp_path / f"{what}-x.pt")
-    measured = []
-
-    def sensitivities(model, blocks, plan, sides, windows):
-        measured.append(1)
-        return {side: torch.rand(16, dtype=torch.float64) for side in sides}
-
-    monkeypatch.setattr(codebooks, "latent_sensitivities", sensitivities)
-    first = codebooks.measured_sensitivities(None, [], full, None)
-    again = codebooks.measured_sensitivities(None, [], full, None)
-    assert len(measured) == 1 and (tmp_path / "sensitivity-x.pt").is_file()
+    calls = _fake_passes(monkeypatch, tmp_path)
+    books, rho, first = codebooks.fitted_books(None, [], full, None)
+    assert calls == {"both": [True], "latents": [], "fits": [1]}
+    _, rho_again, again = codebooks.fitted_books(None, [], full, None)
+    assert calls == {"both": [True], "latents": [], "fits": [1]}
     assert first.keys() == again.keys() and all(torch.equal(first[s], again[s]) for s in first)
-    moved = [replace(l, k_basis=l.k_basis.flip(0)) for l in full.layers]
-    codebooks.measured_sensitivities(None, [], replace(full, layers=moved), None)
-    assert len(measured) == 2
+    side = next(iter(rho))
+    assert all(torch.equal(rho[side][b], rho_again[side][b]) for b in codebooks.WIDTHS)
 
+    moved = replace(full, layers=[replace(l, k_basis=l.k_basis.flip(0)) for l in full.layers])
+    codebooks.fitted_books(None, [], moved, None)
+    assert calls == {"both": [True, True], "latents": [], "fits": [1, 1]}
     (tmp_path / "sensitivity-x.pt").unlink()
-    monkeypatch.setattr(codebooks, "latent_sensitivities", lambda *args: None)
-    assert codebooks.measured_sensitivities(None, [], full, None) is None
-    assert not (tmp_path / "sensitivity-x.pt").exists()
+    codebooks.fitted_books(None, [], moved, None)
+    assert calls == {"both": [True, True, False], "latents": [], "fits": [1, 1]}
 
 
 def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
