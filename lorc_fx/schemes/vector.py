@@ -37,7 +37,7 @@ from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
 from lorc_fx.plan.sensitivity import Side
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.candidates import plain_fits
-from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, coded_sides, fitted_books
+from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides
 from lorc_fx.search.context import Candidate, SearchContext
 from lorc_fx.search.split import held_out_loss
 
@@ -179,7 +179,7 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
                                        latent_bits=16, key_fraction=None))
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
-    books, rho, sensitivities = fitted_books(model, blocks, full, windows)
+    books, rho, sensitivities = books_and_sensitivities(model, blocks, full, windows)
     measured: dict[tuple[str, float], tuple[float, Plan]] = {}
 
     def loss_at(name: str, weights: dict[Side, torch.Tensor] | None, share: float) -> float:

@@ -36,7 +36,7 @@ WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6)  # bits a channel a book is fitted at
 TUPLE_DIMS = 16  # channels allocated one width together (the longest sub-vector)
 FIT_ITERATIONS = 15  # Lloyd iterations per book
 
-_FORMAT = 3  # bump when what fitted_books computes changes (2: the coding errors kept too;
+_FORMAT = 3  # bump when what books_and_sensitivities computes changes (2: the coding errors kept too;
 # 3: the bases kept too, compared on reading)
 BASES_ATOL = 1e-6  # bases this close to those the books were fitted under reuse them: the same
 # calibration at another thread count moved the default model's by at most 4e-12
@@ -141,10 +141,30 @@ def _cached(model: nn.Module, full: Plan, what: str) -> dict | None:
     return None
 
 
-def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
-                 windows: torch.Tensor
-                 ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]],
-                            dict[Side, torch.Tensor] | None]:
+def _sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                   windows: torch.Tensor, keep_latents: bool
+                   ) -> tuple[dict[Side, torch.Tensor] | None, dict[Side, torch.Tensor] | None]:
+    """The loss's sensitivities of every coded side of ``full``, from disk or measured (and
+    written there), and where measured with ``keep_latents``, the pass's latents."""
+    sides = coded_sides(full)
+    data = _cached(model, full, "sensitivity")
+    if data is not None:
+        return {(l, s): data["sensitivities"][f"{l}/{s}"] for l, s in sides}, None
+    measured = sensitivities_and_latents(model, blocks, full, sides, windows,
+                                         keep_latents=keep_latents)
+    if measured is None:
+        return None, None
+    path = _books_file(model, full, "sensitivity")
+    save_atomic({"sensitivities": {f"{l}/{s}": weight for (l, s), weight in measured[0].items()},
+                 "bases": _bases(full)}, path)
+    log.info("vector codes: the loss's sensitivities kept in %s", path)
+    return measured
+
+
+def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                            windows: torch.Tensor
+                            ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]],
+                                       dict[Side, torch.Tensor] | None]:
     """The books fitted on the latents of ``full`` on ``windows``, their coding errors there
     (:func:`fit_books`, :func:`coding_errors`) and the loss's sensitivities to each latent
     channel (:func:`~lorc_fx.plan.sensitivity.latent_sensitivities`; ``None`` where a side's
@@ -156,20 +176,9 @@ def fitted_books(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
     sensitivities_and_latents`); only where the sensitivities cannot be measured do the
     latents come from a forward through the cache (:func:`calibration_latents`). The fit
     takes ~2 min at two threads on the default model, said once."""
-    books_data, weights_data = _cached(model, full, "vector"), _cached(model, full, "sensitivity")
-    sides, samples = coded_sides(full), None
-    sensitivities = None if weights_data is None else {
-        (layer, side): weights_data["sensitivities"][f"{layer}/{side}"] for layer, side in sides}
-    if sensitivities is None:
-        measured = sensitivities_and_latents(model, blocks, full, sides, windows,
-                                             keep_latents=books_data is None)
-        if measured is not None:
-            sensitivities, samples = measured
-            path = _books_file(model, full, "sensitivity")
-            save_atomic({"sensitivities": {f"{layer}/{side}": weight
-                                           for (layer, side), weight in sensitivities.items()},
-                         "bases": _bases(full)}, path)
-            log.info("vector codes: the loss's sensitivities kept in %s", path)
+    books_data = _cached(model, full, "vector")
+    sensitivities, samples = _sensitivities(model, blocks, full, windows,
+                                            keep_latents=books_data is None)
     if books_data is not None:
         return (*_read_books(books_data, full), sensitivities)
     if not samples:

@@ -43,8 +43,8 @@ def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch
     full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
     calls = _fake_passes(monkeypatch, tmp_path, measurable=False)
 
-    books, rho, weights = codebooks.fitted_books(None, [], full, None)
-    again, rho_again, _ = codebooks.fitted_books(None, [], full, None)
+    books, rho, weights = codebooks.books_and_sensitivities(None, [], full, None)
+    again, rho_again, _ = codebooks.books_and_sensitivities(None, [], full, None)
     assert weights is None and len(calls["fits"]) == len(calls["latents"]) == 1
     side = next(iter(books))
     for b in codebooks.WIDTHS:
@@ -54,12 +54,12 @@ def test_cached_books_are_reused_under_the_same_bases_only(tmp_path, monkeypatch
 
     # what another thread count does to the bases (~1e-12): the books are still theirs
     nudged = [replace(l, k_basis=l.k_basis + 1e-10) for l in full.layers]
-    codebooks.fitted_books(None, [], replace(full, layers=nudged), None)
+    codebooks.books_and_sensitivities(None, [], replace(full, layers=nudged), None)
     assert len(calls["fits"]) == 1
     # a basis that moved: the books coded other latents, so they are fitted again, said once
     moved = [replace(l, v_basis=l.v_basis.flip(0)) for l in full.layers]
     with caplog.at_level(logging.WARNING, logger="lorc_fx"):
-        codebooks.fitted_books(None, [], replace(full, layers=moved), None)
+        codebooks.books_and_sensitivities(None, [], replace(full, layers=moved), None)
     assert len(calls["fits"]) == 2
     assert any("not those the cached codebooks" in r.getMessage() for r in caplog.records)
 
@@ -72,19 +72,19 @@ def test_a_first_plan_runs_the_calibration_text_once(tmp_path, monkeypatch):
     no latents."""
     full = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
     calls = _fake_passes(monkeypatch, tmp_path)
-    books, rho, first = codebooks.fitted_books(None, [], full, None)
+    books, rho, first = codebooks.books_and_sensitivities(None, [], full, None)
     assert calls == {"both": [True], "latents": [], "fits": [1]}
-    _, rho_again, again = codebooks.fitted_books(None, [], full, None)
+    _, rho_again, again = codebooks.books_and_sensitivities(None, [], full, None)
     assert calls == {"both": [True], "latents": [], "fits": [1]}
     assert first.keys() == again.keys() and all(torch.equal(first[s], again[s]) for s in first)
     side = next(iter(rho))
     assert all(torch.equal(rho[side][b], rho_again[side][b]) for b in codebooks.WIDTHS)
 
     moved = replace(full, layers=[replace(l, k_basis=l.k_basis.flip(0)) for l in full.layers])
-    codebooks.fitted_books(None, [], moved, None)
+    codebooks.books_and_sensitivities(None, [], moved, None)
     assert calls == {"both": [True, True], "latents": [], "fits": [1, 1]}
     (tmp_path / "sensitivity-x.pt").unlink()
-    codebooks.fitted_books(None, [], moved, None)
+    codebooks.books_and_sensitivities(None, [], moved, None)
     assert calls == {"both": [True, True, False], "latents": [], "fits": [1, 1]}
 
 
