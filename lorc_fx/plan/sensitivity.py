@@ -16,7 +16,7 @@ they were) and carried into the latent by the basis' rebuild rows (keys ≈ Bᵀ
 ∂L/∂z = B·∂L/∂keys). That holds where the cached latent is a linear image of the
 projection's rows: values, keys without RoPE and keys cached before RoPE. A side whose
 latent is not (keys behind a norm, keys cached after RoPE) has none:
-:func:`latent_sensitivities` returns ``None`` and the caller keeps the energies. Each
+:func:`sensitivities_and_latents` returns ``None`` and the caller keeps the energies. Each
 window's first token (the sink, never coded) is left out.
 """
 from __future__ import annotations
@@ -45,26 +45,17 @@ def _rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out[:, 1:].index_select(-1, rows).reshape(-1, len(rows)).double()
 
 
-def latent_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
-                         sides: list[Side], windows: torch.Tensor, batch_size: int = 2
-                         ) -> dict[Side, torch.Tensor] | None:
-    """Per side of ``sides`` (coded by the full-rank ``full``), ``F_c·E[z_c²]`` of each latent
-    channel over ``windows``, float64; ``None`` where a side's latent is not linear in its
-    projection's output (shows progress: a forward and backward per batch)."""
-    measured = sensitivities_and_latents(model, blocks, full, sides, windows, batch_size,
-                                         keep_latents=False)
-    return None if measured is None else measured[0]
-
-
 def sensitivities_and_latents(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
                               sides: list[Side], windows: torch.Tensor, batch_size: int = 2,
                               keep_latents: bool = True
                               ) -> tuple[dict[Side, torch.Tensor], dict[Side, torch.Tensor]] | None:
-    """:func:`latent_sensitivities`, and with ``keep_latents`` each side's latents ``z`` on
-    ``windows`` from the same forward, ``(samples, r)`` float32, each window's first token left
-    out (``search.codebooks.calibration_latents``' samples, the projection's rows taken by
-    ``P`` here rather than by the cache: the same up to rounding), so that a first plan runs
-    the calibration text once for both."""
+    """Per side of ``sides`` (coded by the full-rank ``full``), ``F_c·E[z_c²]`` of each latent
+    channel over ``windows``, float64, and with ``keep_latents`` the latents ``z`` themselves
+    from the same forward, ``(samples, r)`` float32, each window's first token left out (else
+    none): the samples the books are fitted on (``search.codebooks``; the projection's rows
+    taken by ``P`` here rather than by the cache, the same up to rounding), so that a first
+    plan runs the calibration text once for both. ``None`` where a side's latent is not linear
+    in its projection's output (shows progress: a forward and backward per batch)."""
     block = {b.layer: b for b in blocks}
     layer = {l.layer: l for l in full.layers}
     if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):

@@ -36,8 +36,8 @@ WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6)  # bits a channel a book is fitted at
 TUPLE_DIMS = 16  # channels allocated one width together (the longest sub-vector)
 FIT_ITERATIONS = 15  # Lloyd iterations per book
 
-_FORMAT = 3  # bump when what books_and_sensitivities computes changes (2: the coding errors kept too;
-# 3: the bases kept too, compared on reading)
+_FORMAT = 3  # bump when what books_and_sensitivities computes changes (2: the coding errors
+# kept too; 3: the bases kept too, compared on reading)
 BASES_ATOL = 1e-6  # bases this close to those the books were fitted under reuse them: the same
 # calibration at another thread count moved the default model's by at most 4e-12
 
@@ -167,7 +167,7 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
                                        dict[Side, torch.Tensor] | None]:
     """The books fitted on the latents of ``full`` on ``windows``, their coding errors there
     (:func:`fit_books`, :func:`coding_errors`) and the loss's sensitivities to each latent
-    channel (:func:`~lorc_fx.plan.sensitivity.latent_sensitivities`; ``None`` where a side's
+    channel (:func:`~lorc_fx.plan.sensitivity.sensitivities_and_latents`; ``None`` where a side's
     latent is not linear in its projection), each read from the disk cache where it was
     computed before under the same bases (``BASES_ATOL``), else computed and written there.
 

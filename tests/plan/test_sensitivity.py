@@ -8,7 +8,7 @@ import torch
 from lorc_fx.analysis import analyze
 from lorc_fx.api import compress
 from lorc_fx.plan.calibration import owner_module
-from lorc_fx.plan.sensitivity import latent_sensitivities, sensitivities_and_latents
+from lorc_fx.plan.sensitivity import sensitivities_and_latents
 from lorc_fx.search.codebooks import calibration_latents, coded_sides
 from helpers.families import VOCAB, build, config_for
 
@@ -78,7 +78,8 @@ def test_sensitivities_are_fisher_times_the_cached_latents_power(model, windows)
     plan = oblique(compress(model, 1.0, schedule="uniform", basis="weight",
                             rope="reconstruct").plan)
     sides = coded_sides(plan)
-    got = latent_sensitivities(model, blocks, plan, sides, windows)
+    got, _ = sensitivities_and_latents(model, blocks, plan, sides, windows,
+                                       keep_latents=False)
     assert all(p.requires_grad and p.grad is None for p in model.parameters())  # as it was
     fisher = autograd_fisher(model, blocks, plan, windows)
     cached = calibration_latents(model, blocks, plan, windows)  # keys before RoPE, sinks out
@@ -102,14 +103,17 @@ def test_the_sensitivities_pass_gives_the_latents_the_cache_holds(model, windows
     for side in sides:
         assert latents[side].dtype == torch.float32
         torch.testing.assert_close(latents[side], cached[side], rtol=1e-4, atol=1e-5)
-    again = latent_sensitivities(model, blocks, plan, sides, windows)
-    assert all(torch.equal(weights[s], again[s]) for s in sides)
+    again, none = sensitivities_and_latents(model, blocks, plan, sides, windows,
+                                            keep_latents=False)
+    assert all(torch.equal(weights[s], again[s]) for s in sides) and none == {}
 
 
 def test_keys_cached_after_rope_have_no_sensitivity(model, windows):
     """Commuted keys are cached after RoPE: not a linear image of the projection's rows."""
     blocks = analyze(model)
     plan = compress(model, 1.0, schedule="uniform", basis="weight", rope="commute").plan
-    assert latent_sensitivities(model, blocks, plan, coded_sides(plan), windows) is None
+    assert sensitivities_and_latents(model, blocks, plan, coded_sides(plan), windows) is None
     values = [s for s in coded_sides(plan) if s[1] == "v"]
-    assert set(latent_sensitivities(model, blocks, plan, values, windows)) == set(values)
+    weights, _ = sensitivities_and_latents(model, blocks, plan, values, windows,
+                                           keep_latents=False)
+    assert set(weights) == set(values)
