@@ -16,9 +16,9 @@ Per (batch, context), one query token against ``context`` cached tokens:
 - ``latent16``: 16-bit latents of half the K/V width through ``latent_attention``, whose
   decode step on CUDA is the Triton kernel ``lorc::latent_decode``;
 - ``vector``: 2.5-bit vector codes of full-width latents (``codes.vector``, what the
-  planner picks below 4.5 bits). No kernel reads them yet (issue #37): the row times what a
-  vector-coded cache does today, ``vector_codes.decode`` of both sides and then
-  ``latent_attention``, and says so.
+  planner picks below 4.5 bits), read by ``quantized_latent_attention`` as a compiled decode
+  step reads them: ``lorc::vector_scores`` / ``vector_sums`` (by codebook table; a C++ kernel
+  on CPU, the codes decoded and multiplied elsewhere: no Triton kernel yet, issue #37).
 
 The code-reading schemes (int8, int4, latent4) are traced with ``make_fx`` and compiled by
 Inductor, as ``lorc_backend`` compiles the functions it puts in place of SDPA, once per shape
@@ -57,7 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from lorc_fx.codes import vector as vector_codes  # noqa: E402
 from lorc_fx.codes.integer import QuantSpec, quantize  # noqa: E402
 from lorc_fx.compile.latent_attention import latent_attention  # noqa: E402
-from lorc_fx.compile.quantized_attention import (quantized_kv_attention,  # noqa: E402
+from lorc_fx.compile.quantized_attention import (VECTOR, quantized_kv_attention,  # noqa: E402
                                                  quantized_latent_attention)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -229,11 +229,11 @@ class Layer:
                  for _ in "kv"]
         coded = [vector_side(self.batch, self.context, self.kv_width, self.device, self.dtype,
                              self.gen) for _ in "kv"]
-
-        def call():
-            c_k, c_v = (vector_codes.decode(codes, book).unsqueeze(1) for codes, book in coded)
-            return latent_attention(self.q, c_k, c_v, *bases, self.kv_heads, scale=self.scale)
-        self.calls["vector"] = call
+        window = self.randn(self.batch, 1, 0, self.kv_width)  # a static cache's: no rows
+        sides = [(VECTOR, list(codes.payload), list(book.reconstructions), window, self.context,
+                  self.context, None, None) for codes, book in coded]
+        self.calls["vector"] = lambda: quantized_latent_attention(
+            self.q, *sides, *bases, self.kv_heads, scale=self.scale)
         self.bytes["vector"] = sum(codes.nbytes for codes, _ in coded)
 
 
@@ -324,8 +324,8 @@ NOTES = {
     "latent4": f"4-bit latents ({LATENT4_BITS} bits a value), read by "
                "quantized_latent_attention (compiled)",
     "latent16": "16-bit latents of half the width, latent_attention (lorc::latent_decode on CUDA)",
-    "vector": f"{VECTOR_BITS}-bit vector codes: NO code-reading kernel yet (#37); decoded, then "
-              "latent_attention",
+    "vector": f"{VECTOR_BITS}-bit vector codes read by table (lorc::vector_scores/_sums: C++ "
+              "on CPU; decoded and multiplied on CUDA, no Triton kernel yet)",
 }
 # issue #39's goals at batch >= 8 and >= 8k tokens (``--smoke``: its own toy shape): time
 # against SDPA's, per scheme

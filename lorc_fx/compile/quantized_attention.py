@@ -17,6 +17,11 @@ Scale and zero point are constant over a group, so both are factored out of the 
 over the codes: a score is ``Σ_c (q_c·scale_c)·code_c + Σ_c q_c·zero_c`` (per channel the
 products ``q·scale`` are per group, ``n / G`` times fewer than the codes).
 
+A side stored as product vector codes (``lorc::vector_latents``' arguments, tagged
+``VECTOR``) is read the same way by ``_VectorPositions``: scores by a table of the query's dot
+products with the codewords and value sums by per-codeword sums of the weights
+(``lorc::vector_scores`` / ``vector_sums``), each row's sink by its latent.
+
 Attention runs over a side's *positions*: the codes' slots, then the window's rows
 (``_Positions``). Slots past ``length`` (a padded group, a cache's spare slots) and rows past
 ``tokens`` (a window's spare rows) hold no token: they are masked out of the softmax and weigh
@@ -44,12 +49,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorc_fx.cache.stores.vector_ops import vector_decode
+from lorc_fx.codes.vector import BLOCK, layout_of
+from lorc_fx.kernels import vector_reductions
 from lorc_fx.kernels.code_reductions import native_applies
 
 from .latent_attention import head_blocks, rotary_scores
 
 FUSED_BITS = (8, 4, 2)  # code widths whose bytes unpack by shifts alone
 KEY_AXES, VALUE_AXES = (-2,), (-2, -1)  # keys per channel; values per channel or per token
+VECTOR = "vector"  # the tag of a vector-coded side (``positions``)
 SUM_CHUNK = 256  # tokens a long sum adds up before adding up the chunks (``_sum``)
 
 
@@ -61,7 +70,7 @@ def quantized_latent_attention(query, k_side, v_side, k_basis, v_basis, num_kv_h
     latent, the output comes back through ``v_basis``. Returns ``(b, h, t, d)``."""
     b, h, t, d = query.shape
     scale = d ** -0.5 if scale is None else scale
-    keys, values = _Positions(*k_side), _Positions(*v_side)
+    keys, values = positions(k_side), positions(v_side)
     q_latent = torch.einsum("bhtd,hrd->bhtr", query, head_blocks(k_basis, num_kv_heads, h))
     scores = keys.scores(q_latent.reshape(b, 1, h * t, -1)).view(b, h, t, -1) * scale
     probs = keys.softmax(scores, attn_mask).view(b, 1, h * t, -1)
@@ -80,7 +89,7 @@ def quantized_rotary_latent_attention(query, k_side, cos, sin, v_side, k_basis, 
     (``r_k`` floats a token, a fraction of the rebuilt keys the mode materialises anyway).
     Returns ``(b, h, t, d)``."""
     b, h, t, _ = query.shape
-    keys, values = _Positions(*k_side), _Positions(*v_side)
+    keys, values = positions(k_side), positions(v_side)
     scores = rotary_scores(query, keys.values(), keys.spread(cos, 1), keys.spread(sin, 1),
                            k_basis, num_kv_heads, style, scale)
     probs = keys.softmax(scores, attn_mask).view(b, 1, h * t, -1)
@@ -125,6 +134,14 @@ def _fused_applies(keys: "_Positions", values: "_Positions", attn_mask) -> bool:
             and (attn_mask is None or (attn_mask.dim() == 4 and attn_mask.shape[1] == 1))
             and native_applies(keys.device, k_bits, k_group)
             and native_applies(values.device, v_bits, v_group))
+
+
+def positions(side) -> "_Positions":
+    """A side as ``_Positions``: ``(codes, window, tokens)``, or a vector-coded side
+    ``(VECTOR, payload, tables, window, coded, tokens, sink, sink_at)``."""
+    if side[0] == VECTOR:
+        return _VectorPositions(*side[1:])
+    return _Positions(*side)
 
 
 class _Positions:
@@ -218,7 +235,8 @@ class _Positions:
         """``probs (..., positions)`` over this side's positions as weights over ``other``'s:
         as they are where both sides hold their tokens in the same positions (one layer's two
         sides), else gathered by token (zero where ``other`` holds no token)."""
-        if (self.codes is None) == (other.codes is None) and self.slots == other.slots:
+        if (type(self) is type(other) and (self.codes is None) == (other.codes is None)
+                and self.slots == other.slots):
             torch._check(self.length == other.length)
             torch._check(self.rows == other.rows)
             return probs
@@ -234,6 +252,67 @@ class _Positions:
         if self.window is not None:
             out = out + p[..., self.slots:] @ self.window.to(p.dtype)
         return out
+
+
+class _VectorPositions(_Positions):
+    """A side stored as product vector codes (``lorc::vector_latents``' arguments): the
+    codes' slots (every whole block, spare blocks included; the first ``coded`` hold tokens),
+    then the window's rows, each row's sink read in place of its position's code. Scores and
+    sums read the codes (``lorc::vector_scores`` / ``vector_sums``), never the latent rebuilt,
+    where their kernel serves; elsewhere they multiply the codes decoded."""
+
+    def __init__(self, payload, tables, window, coded, tokens, sink, sink_at):
+        self.codes, self.window = (list(payload), list(tables)), window
+        self.length, self.rows, self.tokens = coded, window.shape[-2], tokens
+        self.heads, self.device = 1, window.device
+        self.slots = payload[0].shape[-1] // layout_of(tables)[0][3] * BLOCK
+        self.sink, self.sink_at = sink, sink_at
+
+    def _sink_position(self, like, m: int):
+        """Each row's sink's position, as an index ``(b, 1, m, 1)`` into ``like``'s last axis."""
+        b = like.shape[0]
+        at = (torch.zeros(b, dtype=torch.long, device=self.device) if self.sink_at is None
+              else self.sink_at.long())
+        at = torch.where(at < self.length, at, at - self.length + self.slots)
+        return at.view(b, 1, 1, 1).expand(b, 1, m, 1)
+
+    def scores(self, q):
+        """``q (b, 1, m, r)`` against every position, a sink's by its latent:
+        ``(b, 1, m, positions)``, unscaled."""
+        q = q.float()
+        if vector_reductions.native_applies(q.device):
+            codes = torch.ops.lorc.vector_scores(q[:, 0], *self.codes)[:, None]
+        else:  # no kernel here: the codes decoded
+            codes = q @ vector_decode(*self.codes)[:, None].float().transpose(-1, -2)
+        scores = torch.cat([codes, q @ self.window.transpose(-1, -2).float()], dim=-1)
+        if self.sink is None:
+            return scores
+        return scores.scatter(-1, self._sink_position(q, q.shape[2]),
+                              q @ self.sink.transpose(-1, -2).float())
+
+    def values(self):
+        """The side's latent in position order ``(b, 1, positions, r)``, a sink's as it came."""
+        decoded = vector_decode(*self.codes)[:, None].to(self.window.dtype)
+        latents = torch.cat([decoded, self.window], dim=-2)
+        if self.sink is None:
+            return latents
+        at = self._sink_position(latents, 1).expand(-1, -1, -1, latents.shape[-1])
+        return latents.scatter(2, at, self.sink.to(latents.dtype))
+
+    def sums(self, p):
+        """``Σ_position p·latent`` for weights ``p (b, 1, m, positions)``: ``(b, 1, m, r)``; a
+        sink's weight goes to its latent, not to its position's code."""
+        p = p.float()
+        if self.sink is not None:
+            at = self._sink_position(p, p.shape[2])
+            on_sink = p.gather(-1, at)  # (b, 1, m, 1)
+            p = p.scatter(-1, at, torch.zeros_like(on_sink))
+        if vector_reductions.native_applies(p.device):
+            out = torch.ops.lorc.vector_sums(p[:, 0, :, :self.slots], *self.codes)[:, None]
+        else:  # no kernel here: the codes decoded
+            out = p[..., :self.slots] @ vector_decode(*self.codes)[:, None].float()
+        out = out + p[..., self.slots:] @ self.window.float()
+        return out if self.sink is None else out + on_sink * self.sink.float()
 
 
 def _sum(x, dim: int):

@@ -5,11 +5,13 @@ low-rank latent on CUDA: :mod:`lorc_fx.kernels.ops`; it does not need Triton) an
 ``torch.ops.lorc.code_scores``, ``code_sums`` and ``code_attention`` (decode attention over
 quantized codes, a C++ kernel on x86-64 CPUs: :mod:`lorc_fx.kernels.code_reductions`) and
 ``torch.ops.lorc.nearest_codeword`` (product codes' nearest codewords, a C++ kernel on x86-64
-CPUs: :mod:`lorc_fx.kernels.nearest_codeword`). The op
+CPUs: :mod:`lorc_fx.kernels.nearest_codeword`) and ``torch.ops.lorc.vector_scores`` /
+``vector_sums`` (decode attention over product codes by table, a C++ kernel on x86-64 CPUs:
+:mod:`lorc_fx.kernels.vector_reductions`). The op
 callable is not re-exported here because the kernel submodule ``latent_decode`` owns that name.
 """
-from . import code_reductions, nearest_codeword
+from . import code_reductions, nearest_codeword, vector_reductions
 from .ops import triton_available
 from .reference import latent_decode_reference
 
-__all__ = ["code_reductions", "nearest_codeword", "triton_available", "latent_decode_reference"]
+__all__ = ["code_reductions", "nearest_codeword", "vector_reductions", "triton_available", "latent_decode_reference"]

@@ -52,15 +52,20 @@ class Vector(Scheme):
     capabilities = Capabilities(static_cache=True, compiled_decode=True, shards=False)
 
     def candidates(self, search: SearchContext) -> list[Candidate]:
-        """One, where the storage is searched and keys may be cached before RoPE."""
-        if not (search.searched and "reconstruct" in search.modes):
+        """One, where the storage is searched: keys cached before RoPE where that mode is
+        planned (the better loss, measured: docs/schemes/vector.md), else after it (what
+        ``objective="speed"`` plans: decode scores them by table, never rebuilt). One mode
+        only: each fits its own codebooks, minutes of a first plan."""
+        modes = [m for m in ("reconstruct", "commute") if m in search.modes]
+        if not (search.searched and modes):
             return []
+        mode = modes[0]
         name = (f"vector codes (tuples of {TUPLE_DIMS} latent channels at "
-                f"{min(WIDTHS):g}-{max(WIDTHS):g} bits), rope=reconstruct")
-        return [Candidate(name, self.name, lambda: self._build(search, name), "reconstruct", 16,
+                f"{min(WIDTHS):g}-{max(WIDTHS):g} bits), rope={mode}")
+        return [Candidate(name, self.name, lambda: self._build(search, name, mode), mode, 16,
                           search.groups[0])]
 
-    def _build(self, search: SearchContext, name: str) -> tuple[Plan, float | None]:
+    def _build(self, search: SearchContext, name: str, mode: str) -> tuple[Plan, float | None]:
         if search.options.shards > 1:
             raise UnreachableFraction(f"{name}: not planned over shards", math.inf)
         if not any(l.compress_v for l in search.layer_inputs()):  # no latents to fit books on
@@ -68,7 +73,7 @@ class Vector(Scheme):
         if plain_fits(search, min(search.widths)):
             raise UnreachableFraction(f"{name}: planned only where plain quantization does not "
                                       "fit the budget", math.inf)
-        resolved, inputs, note = search.prepared("reconstruct")
+        resolved, inputs, note = search.prepared(mode)
         plan, loss = vector_candidate(search.model, search.blocks, resolved, inputs, note)
         return plan, loss if search.measure else None
 
@@ -77,12 +82,13 @@ class Vector(Scheme):
         return f"vector codes; basis={o.basis}, rope={o.rope}"
 
     def limits(self) -> str:
-        """Compiled decode is slow: each step decodes every token's latent and rebuilds and
-        rotates every key (measured in issue #37, bench/results/long_context_vector-cpu.md)."""
-        return ("compiled decode reads every token decoded and rebuilds every key before RoPE "
-                "each step, so it is slower than the full cache's (the default model's 2.56-bit "
-                "plan after 4096 tokens: 0.13-0.16x its speed on one CPU thread), and Inductor "
-                "takes minutes to compile it (5-8 on the default model)")
+        """Compiled decode reads the codes by table but is slower than the full cache's
+        (measured in issue #37, bench/results/long_context_vector-cpu.md, run 4)."""
+        return ("compiled decode reads the codes by table (keys cached after RoPE) or rebuilds "
+                "every key before RoPE each step (the default), and is slower than the full "
+                "cache's (the default model after 4096 tokens, one CPU thread: 0.28x its speed "
+                "at 2.56 bits, 0.64x with rope='commute', which costs more quality); Inductor "
+                "takes 2-8 minutes to compile it")
 
     def summary(self, plan: Plan) -> str:
         channels, _ = _channels_per_width(plan)
@@ -171,8 +177,7 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
 
 def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
                      inputs: list[LayerInput], note: str) -> tuple[Plan, float]:
-    """The vector plan at ``options``' budget (``options.rope`` resolved to ``reconstruct``,
-    its basis to the one ``inputs`` carry) with the least held-out loss over the channels'
+    """The vector plan at ``options``' budget (``options.rope`` resolved to one mode, its basis to the one ``inputs`` carry) with the least held-out loss over the channels'
     weights (the spectra's energies, the loss's sensitivities where measurable) and the keys'
     share of ``KEY_SHARES``, and that loss."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,

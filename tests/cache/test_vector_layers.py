@@ -2,6 +2,7 @@
 (``cache.stores.vector``), built as the ``vector`` scheme builds it on a tiny random llama
 (books fitted on its latents of random tokens, a few Lloyd iterations)."""
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -30,9 +31,9 @@ def model():
     return build(config_for("llama", heads=4, kv_heads=2, layers=2))
 
 
-@pytest.fixture(scope="module")
-def plan(model):
-    full = compress(model, 1.0, schedule="uniform", basis="weight", rope="reconstruct").plan
+@pytest.fixture(scope="module", params=["reconstruct"])
+def plan(model, request):
+    full = compress(model, 1.0, schedule="uniform", basis="weight", rope=request.param).plan
     blocks = analyze(model)
     windows = torch.randint(3, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
     samples = calibration_latents(model, blocks, full, windows)
@@ -218,6 +219,7 @@ def test_generate_continues_a_returned_cache_and_runs_beams(model, plan, tmp_pat
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
+@pytest.mark.parametrize("plan", ["reconstruct", "commute"], indirect=True)
 def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan, cache, caplog,
                                                                     monkeypatch):
     """Compiled (the passes, without Inductor): coding and decoding are in the graph, no
@@ -225,7 +227,9 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
     Dynamic: a prompt of 6 and 30 new tokens settle blocks inside the decode graph, and what
     attention reads is gathered (no tensor of the coded tokens alone, 0 until a block fills).
     Static: every write packs its tokens' indices into their blocks in place, each row's sink
-    where it falls (row 1's after its left padding)."""
+    where it falls (row 1's after its left padding). Every decode attention reads the codes
+    (``lorc::vector_sums``; keys cached after RoPE ``lorc::vector_scores`` too, no latent
+    decoded)."""
     from torch._dynamo.utils import counters
 
     # as in a new process (the package's ``install`` function hides its module's name)
@@ -242,17 +246,29 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
     backend = lorc_backend.with_options(inductor=False)
 
     def spy(gm, example_inputs):
-        graphs.append(gm)
-        return backend(gm, example_inputs)
+        compiled_fn = backend(gm, example_inputs)
+        graphs.append(gm)  # as the passes left it
+        return compiled_fn
 
     counters.clear()
     with compiled(model, spy):
         got = generate(model, ids, mask, cache, new_tokens=30)
+        with torch.profiler.profile() as profile:  # compiled: what the steps run
+            generate(model, ids, mask, cache, new_tokens=30)
     assert sum(counters["graph_break"].values()) == 0
     assert len(graphs) == 2
     assert torch.equal(got.sequences, eager.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(eager.logits),
                                atol=1e-4, rtol=1e-4)
+    # the prompt (6 tokens: read as stored, as a decode step) and 29 steps, every layer
+    attentions = 30 * model.config.num_hidden_layers
+    assert [r.absorbed for r in backend.reports] == [model.config.num_hidden_layers] * 2
+    calls = Counter(e.name for e in profile.events())
+    commute = plan.options.rope == "commute"
+    assert calls["lorc::vector_sums"] == attentions
+    assert calls["lorc::vector_scores"] == (attentions if commute else 0)
+    assert calls["lorc::vector_latents"] == 0
+    assert calls["lorc::vector_decode"] == (0 if commute else attentions)
     if cache == "static":
         layer = got.past_key_values.layers[0]
         assert isinstance(layer.k_store, VectorStaticStore)

@@ -16,7 +16,9 @@
   stay aligned at position 0.
 
 What attention reads is the decoded codes, then the window, with each row's sink written over
-its position, rebuilt through the bases.
+its position, rebuilt through the bases: one op, ``lorc::vector_latents``, which a compiled
+decode step replaces by attention that reads the codes themselves
+(``compile.quantized_attention``: scores and value sums by codebook table).
 
 Traced by dynamo (``lorc_backend``), ``append`` and ``read`` follow ``stores.integer``'s rules:
 no branch on how many blocks fill, and no tensor whose length could be 0 or 1 once decoding
@@ -43,7 +45,7 @@ from lorc_fx.codes.integer import splice
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode
 
 from .integer import SPARE_ROWS, with_spare_rows
-from .vector_ops import vector_decode, vector_encode
+from .vector_ops import vector_encode, vector_latents
 
 SPARE_BLOCKS = 2  # blocks of code slots a side keeps past its coded tokens
 
@@ -139,19 +141,11 @@ class VectorStore:
         each row's sink as it came."""
         if self.payload is None:
             tokens = window
-        else:
-            decoded = vector_decode(list(self.payload),  # every slot, never empty
-                                    self.book.reconstructions)[:, None].to(window.dtype)
-            both = torch.cat([decoded, window], dim=-2)
-            # the coded tokens, then the window's (past the spare slots): a gather, so no
-            # tensor has the coded tokens' length alone (0 until a block fills)
-            at = torch.arange(self.tokens(window), device=window.device)
-            coded = self.coded
-            tokens = both.index_select(2, torch.where(at < coded, at,
-                                                      at - coded + decoded.shape[-2]))
-        if self.sink is None:
-            return tokens
-        return tokens.scatter(2, self._sink_index(tokens), self.sink.to(tokens.dtype))
+            if self.sink is None:
+                return tokens
+            return tokens.scatter(2, self._sink_index(tokens), self.sink.to(tokens.dtype))
+        return vector_latents(list(self.payload), self.book.reconstructions, window, self.coded,
+                              self.tokens(window), self.sink, self.sink_at)
 
     def cut(self, window: torch.Tensor, keep: int) -> torch.Tensor:
         """Keep the first ``keep`` tokens (fewer than held): whole blocks stay coded, the rest

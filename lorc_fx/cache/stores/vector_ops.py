@@ -5,6 +5,10 @@ side instead of every run's unpacking, gathers and packing traced out:
   blocks·index bytes)`` of ``n`` (a whole number of blocks) tokens;
 - ``lorc::vector_decode(payload, values)``: the latents ``(b, blocks·BLOCK, r)`` of every
   block of slots, in the reconstructions' dtype;
+- ``lorc::vector_latents(payload, values, window, coded, tokens, sink, sink_at)``: what
+  attention reads of a side, every token's latent ``(b, 1, tokens, r)``: the first ``coded``
+  decoded, then the window's rows, each row's sink written over its position; decode steps
+  read the codes themselves instead (``compile.quantized_attention`` finds this op);
 - ``lorc::vector_rewritten(payload, z (b, t, r), codewords, start)``: the blocks of a static
   store's ``(b, S, blocks, index bytes)`` that ``t`` tokens written from token ``start`` (a
   0-d tensor) reach, their indices packed in; the store copies them back in place.
@@ -26,6 +30,7 @@ from torch.library import custom_op
 from lorc_fx.codes.integer import pack_bits, unpack_bits
 from lorc_fx.codes.vector import (BLOCK, layout_of, packed_runs, rebuilt, run_indices,
                                   unpacked_runs)
+from lorc_fx.kernels import vector_reductions
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
 
 
@@ -58,6 +63,33 @@ def _(payload, values):
     return payload[0].new_empty(b, nbytes // ib * BLOCK, width, dtype=values[0].dtype)
 
 
+@custom_op("lorc::vector_latents", mutates_args=())
+def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, coded: int,
+                   tokens: int, sink: Tensor | None, sink_at: Tensor | None) -> Tensor:
+    """Every token's latent ``(b, 1, tokens, r)`` in the window's dtype: the first ``coded``
+    slots of the codes decoded, then the window's ``(b, 1, rows, r)`` first rows; each row's
+    ``sink (b, 1, 1, r)`` over its position ``sink_at (b,)`` (0 where None)."""
+    decoded = vector_decode(payload, values)[:, None].to(window.dtype)
+    both = torch.cat([decoded, window], dim=-2)
+    # the coded tokens, then the window's (past the code slots, spare ones included): a
+    # gather, so no tensor has the coded tokens' length alone (0 until a block fills)
+    at = torch.arange(tokens, device=window.device)
+    latents = both.index_select(2, torch.where(at < coded, at, at - coded + decoded.shape[-2]))
+    if sink is None:
+        return latents
+    b, r = window.shape[0], window.shape[-1]
+    at = (window.new_zeros(b, dtype=torch.long) if sink_at is None else sink_at.long())
+    return latents.scatter(2, at.view(b, 1, 1, 1).expand(b, 1, 1, r), sink.to(latents.dtype))
+
+
+@vector_latents.register_fake
+def _(payload, values, window, coded, tokens, sink, sink_at):
+    return window.new_empty(window.shape[0], 1, tokens, window.shape[-1])
+
+
+VECTOR_LATENTS = torch.ops.lorc.vector_latents.default
+
+
 @custom_op("lorc::vector_rewritten", mutates_args=())
 def vector_rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor],
                      start: Tensor) -> list[Tensor]:
@@ -68,6 +100,9 @@ def vector_rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor],
     (``index_copy_`` at :func:`rewritten_blocks`): a mutating op would be functionalized, its
     whole payload cloned every step."""
     t = z.shape[1]
+    by_kernel = vector_reductions.rewritten(payload, z, codewords, int(start), _staged(t))
+    if by_kernel is not None:
+        return by_kernel
     block = rewritten_blocks(start, t)
     at = start % BLOCK + torch.arange(t, device=z.device)
     fresh = run_indices(z.float(), codewords, nearest_codeword)

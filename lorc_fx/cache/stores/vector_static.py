@@ -28,7 +28,7 @@ import torch
 from lorc_fx.codes.vector import BLOCK, VectorBook
 
 from .full import buffer
-from .vector_ops import rewritten_blocks, vector_decode, vector_rewritten
+from .vector_ops import rewritten_blocks, vector_latents, vector_rewritten
 
 
 class VectorStaticStore:
@@ -80,11 +80,10 @@ class VectorStaticStore:
 
     def read(self, window: torch.Tensor) -> torch.Tensor:
         """Every allocated position decoded ``(b, 1, max_cache_len, r)``, each row's sink as
-        it came."""
-        latents = vector_decode([p.flatten(-2) for p in self.payload], self.book.reconstructions)
-        latents = latents[:, None, :self.max_cache_len].to(self.sink.dtype)
-        b, _, _, r = latents.shape
-        return latents.scatter(2, self.sink_at.view(b, 1, 1, 1).expand(b, 1, 1, r), self.sink)
+        it came (``window`` has no rows)."""
+        return vector_latents([p.flatten(-2) for p in self.payload], self.book.reconstructions,
+                              window.to(self.sink.dtype), self.max_cache_len, self.max_cache_len,
+                              self.sink, self.sink_at)
 
     def tensors(self) -> list[torch.Tensor]:
         """Packed codes and the sink (the window is the layer's)."""

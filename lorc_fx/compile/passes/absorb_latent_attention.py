@@ -29,6 +29,13 @@ with the dequantization fused into its reductions; afterwards the graph holds no
 dequantized (the op lowered to its maths). Codes of a width or layout those functions do
 not read (3 bits; keys per token) are left to that fallback too.
 
+A side stored as product vector codes reaches the graph as ``lorc.vector_latents(payload,
+tables, window, ...)`` (its codes decoded, then its window, its sink over its position). In
+decode graphs it is read the same way: scores and value sums over the codes
+(``lorc::vector_scores`` / ``vector_sums``: a table of the query's dot products with the
+codewords, per-codeword sums of the weights), the latent never rebuilt; keys cached before
+RoPE are still rebuilt from their decoded latent, their values read from the codes.
+
 A prefill (more than ``cache.layers.PREFILL_TOKENS`` incoming tokens) attends its own tokens
 as computed: its SDPA reads them concatenated after the earlier ones rebuilt (or alone), no
 pattern above, so it stays SDPA over the full keys and values.
@@ -39,17 +46,19 @@ import torch
 from torch import fx
 
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
-from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXES,
+from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXES, VECTOR,
                                                  quantized_kv_attention, quantized_latent_attention,
                                                  quantized_rotary_latent_attention)
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
 from lorc_fx.cache.layers import PREFILL_TOKENS
+from lorc_fx.cache.stores.vector_ops import VECTOR_LATENTS
 from .graph_utils import SDPA_TARGETS, erase_if_unused, fake, strip_repeat_kv
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 _RECONSTRUCT_ARGS = ("latent", "basis", "num_heads")
 _ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style")
+_VECTOR_ARGS = ("payload", "values", "window", "coded", "tokens", "sink", "sink_at")
 _DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width",
                     "dtype")
 # query tokens up to which attention over pre-RoPE keys or quantized sides materialises its
@@ -78,6 +87,7 @@ def _side(node: fx.Node, axes: tuple[int, ...]):
     ``cat([lorc.dequantize(...), window], dim=-2)``, maybe cut to its first ``tokens`` rows
     (``narrow``), or a bare ``lorc.dequantize`` give the op's arguments (in its order) as
     ``codes``; any other node is a side kept in the model's dtype, ``(None, node, None)``.
+    ``lorc.vector_latents`` (product vector codes) gives ``(VECTOR, *its arguments)``.
     ``None`` for codes those functions do not read (a width not in ``FUSED_BITS``, a layout
     not in ``axes``)."""
     whole, tokens = node, None
@@ -89,6 +99,8 @@ def _side(node: fx.Node, axes: tuple[int, ...]):
         dim = whole.args[1] if len(whole.args) > 1 else whole.kwargs.get("dim", 0)
         if len(parts) == 2 and dim in (-2, 2) and getattr(parts[0], "target", None) is DEQUANTIZE:
             codes, window = parts
+    if codes.target is VECTOR_LATENTS:
+        return (VECTOR, *(_bound(codes, _VECTOR_ARGS)[name] for name in _VECTOR_ARGS))
     if codes.target is not DEQUANTIZE:
         return None, node, None
     bound = _bound(codes, _DEQUANTIZE_ARGS)

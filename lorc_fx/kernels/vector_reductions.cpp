@@ -1,0 +1,385 @@
+// Decode attention's two reductions over product vector codes, reading the codes and small
+// tables, never a decoded latent: lorc_fx/kernels/vector_reductions.py builds this file once per
+// machine and calls it through ctypes.
+//
+// Layouts (lorc_fx/codes/vector.py): a side's latent (R channels) is cut in runs; run u holds
+// S_u sub-vectors of d_u channels, each with a table of K_u = 2^ib_u reconstructions (S_u, K_u,
+// d_u); a token stores one ib_u-bit index per sub-vector. Indices are packed per sub-vector in
+// blocks of 8 tokens, ib_u bytes a block (lorc_fx/codes/integer.py pack_bits): payload_u is
+// (B, S_u, blocks * ib_u) uint8, and slot j of a row is token j of its blocks. Every run's
+// codewords together are the E = sum_u S_u * K_u *entries* of one table.
+//
+// - lorc_vector_scores: q (B, M, R) against every slot: out (B, M, blocks * 8). First each
+//   entry's dot products with the M query rows, table_q (E, M) (M * sum_u S_u K_u d_u
+//   multiply-adds a step); then a slot's M scores are the sum of its sub-vectors' entries'
+//   rows: one lookup of M contiguous floats a sub-vector, instead of R multiply-adds a row
+//   over a decoded latent.
+// - lorc_vector_sums: weights p (B, M, blocks * 8) over every slot: out (B, M, R) = sum_j
+//   p[., j] * latent_j. Each slot's M weights are added to the row of each of its sub-vectors'
+//   entries, hist (E, M) (one add of M floats a sub-vector), then out[m][s] = sum_k
+//   hist[k][m] * table[s][k].
+//
+// Both sum in float32 in another order than decoding and multiplying. Slots are split in
+// `threads` chunks; each sums into its own table (work: B * chunks * E * M floats), added up
+// at the end. Measured on the 2-core x86-64 (Zen 3) machine, one thread, at 4096 slots of the
+// default model's layer layouts, this and decoding 32 tokens at a time into L1 then multiplying
+// took the same time (1.0-1.5 ms a side); at 8192 slots the tables were 10-30% faster; gathering
+// codeword channels (AVX2 gathers) was slower than both (bench/vector_reductions.py times the
+// ops: bench/results/vector_reductions-cpu.md).
+//
+// lorc_vector_rewrite, at the end, is a static store's write (lorc::vector_rewritten).
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+constexpr int64_t BLOCK = 8;  // tokens whose indices pack together
+constexpr int64_t ROWS = 32;  // query rows a pass over the slots serves (4 vectors)
+
+// The 8 indices of one block of one sub-vector, packed in IB bytes at p.
+template <int IB>
+static inline void unpack_block(const uint8_t* p, int32_t* idx) {
+    if constexpr (IB == 8) {
+        for (int i = 0; i < BLOCK; ++i) idx[i] = p[i];
+    } else if constexpr (IB == 4) {  // byte j: code j low, code 4 + j high
+        for (int j = 0; j < 4; ++j) {
+            idx[j] = p[j] & 15;
+            idx[4 + j] = p[j] >> 4;
+        }
+    } else if constexpr (IB == 2) {  // byte j: codes j, 2 + j, 4 + j, 6 + j from the low bits
+        for (int j = 0; j < 2; ++j)
+            for (int i = 0; i < 4; ++i) idx[2 * i + j] = (p[j] >> (2 * i)) & 3;
+    } else {  // 8 codes as one little-endian integer of 8 * IB bits
+        uint64_t word = 0;
+        for (int j = 0; j < IB; ++j) word |= uint64_t(p[j]) << (8 * j);
+        for (int i = 0; i < BLOCK; ++i) idx[i] = int32_t((word >> (IB * i)) & ((1u << IB) - 1));
+    }
+}
+
+// Block k of every sub-vector of one run (S of them, `stride` bytes apart), as table entries
+// from `base` (K a sub-vector): at[s * BLOCK + i].
+template <int IB>
+static void run_entries(const uint8_t* row, int64_t S, int64_t stride, int32_t base, int32_t* at) {
+    for (int64_t s = 0; s < S; ++s) {
+        unpack_block<IB>(row + s * stride, at + s * BLOCK);
+        const int32_t first = base + int32_t(s << IB);
+        for (int i = 0; i < BLOCK; ++i) at[s * BLOCK + i] += first;
+    }
+}
+
+struct Layout {
+    const uint8_t* const* payloads;
+    const float* const* tables;
+    const int64_t *subs, *dims, *ibits;
+    int64_t runs, R, blocks;
+    std::vector<int64_t> first, table_at, sub_at;  // per run: first channel, table entry, sub
+    int64_t entries = 0, sub_total = 0;            // sum_u S_u * K_u, sum_u S_u
+
+    Layout(const uint8_t* const* p, const float* const* t, const int64_t* s, const int64_t* d,
+           const int64_t* ib, int64_t runs_, int64_t R_, int64_t blocks_)
+        : payloads(p), tables(t), subs(s), dims(d), ibits(ib), runs(runs_), R(R_),
+          blocks(blocks_) {
+        int64_t channel = 0;
+        for (int64_t u = 0; u < runs; ++u) {
+            first.push_back(channel);
+            table_at.push_back(entries);
+            sub_at.push_back(sub_total);
+            channel += subs[u] * dims[u];
+            entries += subs[u] * (int64_t(1) << ibits[u]);
+            sub_total += subs[u];
+        }
+    }
+
+    // Every sub-vector's 8 indices of block `k` of row b, as entries of the table of all
+    // runs: at[sub * BLOCK + i] = table entry of token i.
+    void entries_of_block(int64_t b, int64_t k, int32_t* at) const {
+        for (int64_t u = 0; u < runs; ++u) {
+            const int64_t ib = ibits[u], S = subs[u];
+            const uint8_t* row = payloads[u] + b * S * blocks * ib + k * ib;
+            int32_t* out = at + sub_at[u] * BLOCK;
+            const int32_t base = int32_t(table_at[u]);
+            switch (ib) {
+                case 1: run_entries<1>(row, S, blocks * ib, base, out); break;
+                case 2: run_entries<2>(row, S, blocks * ib, base, out); break;
+                case 3: run_entries<3>(row, S, blocks * ib, base, out); break;
+                case 4: run_entries<4>(row, S, blocks * ib, base, out); break;
+                case 5: run_entries<5>(row, S, blocks * ib, base, out); break;
+                case 6: run_entries<6>(row, S, blocks * ib, base, out); break;
+                case 7: run_entries<7>(row, S, blocks * ib, base, out); break;
+                default: run_entries<8>(row, S, blocks * ib, base, out);
+            }
+        }
+    }
+};
+
+static inline int64_t chunk_start(int64_t blocks, int64_t chunks, int64_t c) {
+    return blocks * c / chunks;
+}
+
+// The lanes of a vector of query rows past `tail` rows masked out (all on for a whole one).
+static inline __m256i rows_mask(int64_t tail) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(tail)), lanes);
+}
+
+// Scores of row b's blocks k0..k1 for query rows r0..r0+rows of table_q (E, M), NV vectors of
+// rows (the last one masked to `rows`), two slots at a time (independent sums in flight).
+// out (M, slots).
+template <int NV>
+static void scores_by_table(const Layout& L, const float* tq, int64_t M, int64_t r0,
+                            int64_t rows, int64_t b, int64_t k0, int64_t k1, float* out,
+                            int32_t* at) {
+    const int64_t slots = L.blocks * BLOCK, subs = L.sub_total;
+    const __m256i last = rows_mask(rows - (NV - 1) * 8);
+    alignas(32) float tile[BLOCK][ROWS];
+    for (int64_t k = k0; k < k1; ++k) {
+        L.entries_of_block(b, k, at);
+        for (int64_t i = 0; i < BLOCK; i += 2) {
+            __m256 acc[2][NV];
+            for (int v = 0; v < NV; ++v) acc[0][v] = acc[1][v] = _mm256_setzero_ps();
+            for (int64_t s = 0; s < subs; ++s)
+                for (int h = 0; h < 2; ++h) {
+                    const float* e = tq + int64_t(at[s * BLOCK + i + h]) * M + r0;
+                    for (int v = 0; v < NV - 1; ++v)
+                        acc[h][v] = _mm256_add_ps(acc[h][v], _mm256_loadu_ps(e + v * 8));
+                    acc[h][NV - 1] = _mm256_add_ps(
+                        acc[h][NV - 1], _mm256_maskload_ps(e + (NV - 1) * 8, last));
+                }
+            for (int h = 0; h < 2; ++h)
+                for (int v = 0; v < NV; ++v) _mm256_store_ps(tile[i + h] + v * 8, acc[h][v]);
+        }
+        for (int64_t m = 0; m < rows; ++m)
+            for (int64_t i = 0; i < BLOCK; ++i) out[(r0 + m) * slots + k * BLOCK + i] = tile[i][m];
+    }
+}
+
+// Row b's weights of blocks k0..k1, query rows r0..r0+rows, added into hist (E, M): NV whole
+// vectors of rows, the rest one by one (a masked store is slow: 2x the whole sums on Zen 3).
+template <int NV>
+static void sums_into_table(const Layout& L, const float* p, int64_t M, int64_t r0, int64_t rows,
+                            int64_t b, int64_t k0, int64_t k1, float* hist, int32_t* at) {
+    const int64_t slots = L.blocks * BLOCK, subs = L.sub_total, whole = NV * 8;
+    alignas(32) float tile[BLOCK][ROWS] = {};
+    for (int64_t k = k0; k < k1; ++k) {
+        L.entries_of_block(b, k, at);
+        for (int64_t m = 0; m < rows; ++m)
+            for (int64_t i = 0; i < BLOCK; ++i) tile[i][m] = p[(r0 + m) * slots + k * BLOCK + i];
+        for (int64_t i = 0; i < BLOCK; ++i) {
+            __m256 w[NV > 0 ? NV : 1];
+            for (int v = 0; v < NV; ++v) w[v] = _mm256_load_ps(tile[i] + v * 8);
+            float rest[8];
+            const int64_t tail = rows - whole;
+            for (int64_t t = 0; t < tail; ++t) rest[t] = tile[i][whole + t];
+            for (int64_t s = 0; s < subs; ++s) {
+                float* e = hist + int64_t(at[s * BLOCK + i]) * M + r0;
+                for (int64_t t = 0; t < tail; ++t) e[whole + t] += rest[t];
+                for (int v = 0; v < NV; ++v)
+                    _mm256_storeu_ps(e + v * 8, _mm256_add_ps(_mm256_loadu_ps(e + v * 8), w[v]));
+            }
+        }
+    }
+}
+
+extern "C" void lorc_vector_scores(const float* q, const uint8_t* const* payloads,
+                                   const float* const* tables, const int64_t* subs,
+                                   const int64_t* dims, const int64_t* ibits, int64_t runs,
+                                   int64_t B, int64_t M, int64_t R, int64_t blocks, float* out,
+                                   float* work, int threads) {
+    const Layout L(payloads, tables, subs, dims, ibits, runs, R, blocks);
+    const int64_t E = L.entries, slots = blocks * BLOCK, chunks = threads;
+    // work (B, E, M): every entry's dot products with the query rows, 8 rows a vector
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t MP = (M + 7) / 8 * 8;
+        std::vector<float> qt(R * MP, 0.f);  // the query rows transposed, (R, MP)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t c = 0; c < R; ++c) qt[c * MP + m] = q[(b * M + m) * R + c];
+        for (int64_t u = 0; u < runs; ++u) {
+            const int64_t d = dims[u], K = int64_t(1) << ibits[u];
+            for (int64_t s = 0; s < subs[u]; ++s)
+                for (int64_t k = 0; k < K; ++k) {
+                    const float* word = tables[u] + (s * K + k) * d;
+                    const float* qs = qt.data() + (L.first[u] + s * d) * MP;
+                    float* entry = work + (b * E + L.table_at[u] + s * K + k) * M;
+                    for (int64_t v = 0; v < MP; v += 8) {
+                        __m256 acc = _mm256_setzero_ps();
+                        for (int64_t j = 0; j < d; ++j)
+                            acc = _mm256_fmadd_ps(_mm256_set1_ps(word[j]),
+                                                  _mm256_loadu_ps(qs + j * MP + v), acc);
+                        if (v + 8 <= M) {
+                            _mm256_storeu_ps(entry + v, acc);
+                        } else {  // the last rows, not past them (another row's table)
+                            alignas(32) float last[8];
+                            _mm256_store_ps(last, acc);
+                            std::memcpy(entry + v, last, sizeof(float) * (M - v));
+                        }
+                    }
+                }
+        }
+    }
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t c = 0; c < chunks; ++c) {
+            std::vector<int32_t> at(L.sub_total * BLOCK);
+            const int64_t k0 = chunk_start(blocks, chunks, c), k1 = chunk_start(blocks, chunks, c + 1);
+            for (int64_t r0 = 0; r0 < M; r0 += ROWS) {  // passes of NV vectors of rows
+                const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;
+                const float* tq = work + b * E * M;
+                float* ob = out + b * M * slots;
+                switch ((rows + 7) / 8) {
+                    case 1: scores_by_table<1>(L, tq, M, r0, rows, b, k0, k1, ob, at.data()); break;
+                    case 2: scores_by_table<2>(L, tq, M, r0, rows, b, k0, k1, ob, at.data()); break;
+                    case 3: scores_by_table<3>(L, tq, M, r0, rows, b, k0, k1, ob, at.data()); break;
+                    default: scores_by_table<4>(L, tq, M, r0, rows, b, k0, k1, ob, at.data());
+                }
+            }
+        }
+}
+
+extern "C" void lorc_vector_sums(const float* p, const uint8_t* const* payloads,
+                                 const float* const* tables, const int64_t* subs,
+                                 const int64_t* dims, const int64_t* ibits, int64_t runs,
+                                 int64_t B, int64_t M, int64_t R, int64_t blocks, float* out,
+                                 float* work, int threads) {
+    const Layout L(payloads, tables, subs, dims, ibits, runs, R, blocks);
+    const int64_t E = L.entries, slots = blocks * BLOCK, chunks = threads;
+    // work (B, chunks, E, M): each chunk's per-entry sums of the weights
+    std::memset(work, 0, sizeof(float) * B * chunks * E * M);
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t c = 0; c < chunks; ++c) {
+            std::vector<int32_t> at(L.sub_total * BLOCK);
+            const int64_t k0 = chunk_start(blocks, chunks, c), k1 = chunk_start(blocks, chunks, c + 1);
+            for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+                const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;
+                float* hist = work + (b * chunks + c) * E * M;
+                const float* pb = p + b * M * slots;
+                switch (rows / 8) {
+                    case 0: sums_into_table<0>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
+                    case 1: sums_into_table<1>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
+                    case 2: sums_into_table<2>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
+                    case 3: sums_into_table<3>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
+                    default: sums_into_table<4>(L, pb, M, r0, rows, b, k0, k1, hist, at.data());
+                }
+            }
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+        float* hist = work + b * chunks * E * M;  // chunk 0's, the others added in
+        for (int64_t c = 1; c < chunks; ++c) {
+            const float* other = work + (b * chunks + c) * E * M;
+            for (int64_t x = 0; x < E * M; ++x) hist[x] += other[x];
+        }
+        // out[m][c] = sum_k hist[k][m] * table[k][c], 8 rows a vector (reading up to 7
+        // floats past an entry's rows: work has 8 past the table)
+        const int64_t MP = (M + 7) / 8 * 8;
+        std::vector<float> rows(MP);
+        for (int64_t u = 0; u < runs; ++u) {
+            const int64_t d = dims[u], K = int64_t(1) << ibits[u];
+            for (int64_t s = 0; s < subs[u]; ++s) {
+                const float* hs = hist + (L.table_at[u] + s * K) * M;
+                for (int64_t j = 0; j < d; ++j) {
+                    const float* column = tables[u] + s * K * d + j;
+                    for (int64_t v = 0; v < MP; v += 8) {
+                        __m256 acc = _mm256_setzero_ps();
+                        for (int64_t k = 0; k < K; ++k)
+                            acc = _mm256_fmadd_ps(_mm256_set1_ps(column[k * d]),
+                                                  _mm256_loadu_ps(hs + k * M + v), acc);
+                        _mm256_storeu_ps(rows.data() + v, acc);
+                    }
+                    for (int64_t m = 0; m < M; ++m)
+                        out[(b * M + m) * R + L.first[u] + s * d + j] = rows[m];
+                }
+            }
+        }
+    }
+}
+
+// The 8 indices idx packed into one block of IB bytes at p (unpack_block's inverse).
+template <int IB>
+static inline void pack_block(const int32_t* idx, uint8_t* p) {
+    if constexpr (IB == 8) {
+        for (int i = 0; i < BLOCK; ++i) p[i] = uint8_t(idx[i]);
+    } else if constexpr (IB == 4) {
+        for (int j = 0; j < 4; ++j) p[j] = uint8_t(idx[j] | (idx[4 + j] << 4));
+    } else if constexpr (IB == 2) {
+        for (int j = 0; j < 2; ++j) {
+            int32_t byte = 0;
+            for (int i = 0; i < 4; ++i) byte |= idx[2 * i + j] << (2 * i);
+            p[j] = uint8_t(byte);
+        }
+    } else {
+        uint64_t word = 0;
+        for (int i = 0; i < BLOCK; ++i) word |= uint64_t(idx[i]) << (IB * i);
+        for (int j = 0; j < IB; ++j) p[j] = uint8_t(word >> (8 * j));
+    }
+}
+
+// Index `lane` of the block at p set to `index`.
+template <int IB>
+static inline void set_index(uint8_t* p, int64_t lane, int32_t index) {
+    int32_t idx[BLOCK];
+    unpack_block<IB>(p, idx);
+    idx[lane] = index;
+    pack_block<IB>(idx, p);
+}
+
+// The nearest of K codewords to x (d channels): the least norms[k] + sum_e scaled[k][e] * x[e]
+// (scaled: the codewords times -2), the first of equals, summed in the order
+// nearest_codeword.cpp sums (so the two pick the same codeword).
+static inline int32_t nearest(const float* x, const float* scaled, const float* norms, int64_t K,
+                              int64_t d) {
+    float best = __builtin_inff();
+    int32_t where = 0;
+    for (int64_t k = 0; k < K; ++k) {
+        float dist = norms[k];
+        for (int64_t e = 0; e < d; ++e) dist += scaled[k * d + e] * x[e];
+        if (dist < best) {
+            best = dist;
+            where = int32_t(k);
+        }
+    }
+    return where;
+}
+
+// The static store's write (lorc::vector_rewritten): the blocks a write of T tokens z (B, T, R)
+// from token `start` reaches, `staged` of them from block start / 8 of each run's payload
+// (B, S, blocks, ib), copied into outs[u] (B, S, staged, ib) with the new tokens' nearest
+// codewords' indices packed in. scaled[u] (S, K, d): the codewords times -2; norms[u] (S, K).
+extern "C" void lorc_vector_rewrite(const float* z, const float* const* scaled,
+                                    const float* const* norms, const uint8_t* const* payloads,
+                                    uint8_t* const* outs, const int64_t* subs, const int64_t* dims,
+                                    const int64_t* ibits, int64_t runs, int64_t B, int64_t T,
+                                    int64_t R, int64_t blocks, int64_t start, int64_t staged) {
+    int64_t first = 0;
+    for (int64_t u = 0; u < runs; ++u) {
+        const int64_t S = subs[u], d = dims[u], ib = ibits[u], K = int64_t(1) << ib;
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t s = 0; s < S; ++s) {
+                uint8_t* dst = outs[u] + (b * S + s) * staged * ib;
+                std::memcpy(dst, payloads[u] + ((b * S + s) * blocks + start / BLOCK) * ib,
+                            staged * ib);
+                for (int64_t i = 0; i < T; ++i) {
+                    const int64_t at = start % BLOCK + i;
+                    const int32_t index = nearest(z + (b * T + i) * R + first + s * d,
+                                                  scaled[u] + s * K * d, norms[u] + s * K, K, d);
+                    uint8_t* block = dst + at / BLOCK * ib;
+                    switch (ib) {
+                        case 1: set_index<1>(block, at % BLOCK, index); break;
+                        case 2: set_index<2>(block, at % BLOCK, index); break;
+                        case 3: set_index<3>(block, at % BLOCK, index); break;
+                        case 4: set_index<4>(block, at % BLOCK, index); break;
+                        case 5: set_index<5>(block, at % BLOCK, index); break;
+                        case 6: set_index<6>(block, at % BLOCK, index); break;
+                        case 7: set_index<7>(block, at % BLOCK, index); break;
+                        default: set_index<8>(block, at % BLOCK, index);
+                    }
+                }
+            }
+        first += S * d;
+    }
+}
