@@ -38,7 +38,7 @@ BLOCK = 8  # tokens whose indices pack together (``codes.vector.BLOCK``; a test 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernel; None where it cannot be built (then the ops decode and multiply)."""
+    """The compiled kernel; None where it cannot be built (then callers decode and multiply)."""
     lib = build(SOURCE, "decode attention over vector codes")
     if lib is None:
         return None
