@@ -77,6 +77,11 @@ def _shapes(tables: list[Tensor]) -> tuple[torch.Size, ...]:
     return tuple(torch.Size(int(n) for n in t.shape) for t in tables)  # a book: never symbolic
 
 
+def _pointers(tensors: list[Tensor]):
+    """The tensors' data pointers as a ``ctypes`` array (a kernel's per-run arguments)."""
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
 def _call(name: str, x: Tensor, payload: list[Tensor], tables: list[Tensor], out: Tensor
           ) -> Tensor:
     """Run kernel ``name`` on ``x (b, m, ·)`` and the codes into ``out``."""
@@ -88,9 +93,8 @@ def _call(name: str, x: Tensor, payload: list[Tensor], tables: list[Tensor], out
     # the scores' table of dot products, or each thread's per-entry sums of the weights, and
     # the 8 floats past them the kernel's vectors may touch
     work = x.new_empty(b * threads * m * entries + 8)
-    pointers = lambda tensors: (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))  # noqa: E731
     getattr(_library(), name)(
-        x.data_ptr(), pointers(payload), pointers(tables), subs, dims, ibits, len(tables), b, m,
+        x.data_ptr(), _pointers(payload), _pointers(tables), subs, dims, ibits, len(tables), b, m,
         width, payload[0].shape[-1] // first_bits, out.data_ptr(), work.data_ptr(), threads)
     return out
 
@@ -120,10 +124,9 @@ def rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor], start: 
     payload = [p.contiguous() for p in payload]
     out = [p.new_empty(p.shape[0], p.shape[1], staged, p.shape[3]) for p in payload]
     z = z.float().contiguous()
-    pointers = lambda tensors: (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))  # noqa: E731
     b, t, r = z.shape
-    _library().lorc_vector_rewrite(z.data_ptr(), pointers(scaled), pointers(norms),
-                                   pointers(payload), pointers(out), subs, dims, ibits,
+    _library().lorc_vector_rewrite(z.data_ptr(), _pointers(scaled), _pointers(norms),
+                                   _pointers(payload), _pointers(out), subs, dims, ibits,
                                    len(codewords), b, t, r, payload[0].shape[2], start, staged)
     return out
 
