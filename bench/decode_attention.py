@@ -18,7 +18,7 @@ Per (batch, context), one query token against ``context`` cached tokens:
 - ``vector``: 2.5-bit vector codes of full-width latents (``codes.vector``, what the
   planner picks below 4.5 bits), read by ``quantized_latent_attention`` as a compiled decode
   step reads them: ``lorc::vector_scores`` / ``vector_sums`` (by codebook table; a C++ kernel
-  on CPU, the codes decoded and multiplied elsewhere: no Triton kernel yet, issue #37).
+  on CPU, Triton kernels on CUDA, the codes decoded and multiplied elsewhere).
 
 The code-reading schemes (int8, int4, latent4) are traced with ``make_fx`` and compiled by
 Inductor, as ``lorc_backend`` compiles the functions it puts in place of SDPA, once per shape
@@ -325,7 +325,7 @@ NOTES = {
                "quantized_latent_attention (compiled)",
     "latent16": "16-bit latents of half the width, latent_attention (lorc::latent_decode on CUDA)",
     "vector": f"{VECTOR_BITS}-bit vector codes read by table (lorc::vector_scores/_sums: C++ "
-              "on CPU; decoded and multiplied on CUDA, no Triton kernel yet)",
+              "on CPU, Triton on CUDA)",
 }
 # issue #39's goals at batch >= 8 and >= 8k tokens (``--smoke``: its own toy shape): time
 # against SDPA's, per scheme

@@ -14,10 +14,11 @@ The same C++ file writes a static store's new tokens (:func:`rewritten`, the bod
 call instead of a few dozen small tensor ops a run (measured 100 ms of a 390 ms decode step
 of the default model's 2.56-bit plan at 4096 tokens).
 
-Results are float32. The C++ kernel (``vector_reductions.cpp``) is built on first use
-(``kernels.native``: once per machine, loaded with ``ctypes``). The ops run where it serves
-(``native_applies``); elsewhere (off x86-64 CPUs, or where it cannot be built) their caller
-decodes the codes and multiplies: the same sums in another order.
+Results are float32. On CPUs the C++ kernel (``vector_reductions.cpp``) is built on first use
+(``kernels.native``: once per machine, loaded with ``ctypes``); on CUDA tensors the ops run
+Triton kernels (``kernels.vector_triton``) where Triton is installed. The ops run where one of
+them serves (``native_applies``); elsewhere (other CPUs, or where the C++ kernel cannot be
+built) their caller decodes the codes and multiplies: the same sums in another order.
 """
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ from torch.library import custom_op
 
 from . import nearest_codeword
 from .native import build
+
+try:
+    from . import vector_triton
+except ImportError as error:  # Triton is optional: then CUDA tensors decode and multiply
+    if error.name != "triton":
+        raise
+    vector_triton = None
 
 SOURCE = Path(__file__).with_name("vector_reductions.cpp")
 BLOCK = 8  # tokens whose indices pack together (``codes.vector.BLOCK``; a test checks)
@@ -50,15 +58,17 @@ def _library() -> ctypes.CDLL | None:
 
 
 def native_applies(device: torch.device) -> bool:
-    """Whether the kernel serves codes on ``device`` (building it the first time this is asked
-    on a CPU)."""
+    """Whether a kernel serves codes on ``device``: Triton's on CUDA, the C++ one on a CPU
+    (built the first time this is asked)."""
+    if device.type == "cuda":
+        return vector_triton is not None
     return device.type == "cpu" and _library() is not None
 
 
 def _served(x: Tensor, op: str) -> None:
     if not native_applies(x.device):
-        raise RuntimeError(f"lorc::{op} runs where its C++ kernel does (x86-64 CPUs): "
-                           f"elsewhere decode the codes and multiply")
+        raise RuntimeError(f"lorc::{op} runs where a kernel does (x86-64 CPUs; CUDA with "
+                           f"Triton installed): elsewhere decode the codes and multiply")
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,6 +157,11 @@ def vector_sums(p: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Tenso
     b, m, _ = p.shape
     out = p.new_empty(b, m, _width(tables), dtype=torch.float32)
     return _call("lorc_vector_sums", p.float().contiguous(), payload, tables, out)
+
+
+if vector_triton is not None:
+    vector_scores.register_kernel("cuda")(vector_triton.scores)
+    vector_sums.register_kernel("cuda")(vector_triton.sums)
 
 
 @vector_scores.register_fake

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lorc_fx.codes.integer import pack_bits
-from lorc_fx.codes.vector import BLOCK, rebuilt, unpacked_runs
+from helpers.vector_codes import side
+from lorc_fx.codes.vector import BLOCK
 from lorc_fx.kernels import vector_reductions
 
 native = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
@@ -17,18 +17,6 @@ native = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"
 # a run: (sub-vectors, channels each, index bits); every index width 1..8 bits
 runs = st.lists(st.tuples(st.integers(1, 5), st.sampled_from([1, 2, 4, 8, 16]), st.integers(1, 8)),
                 min_size=1, max_size=4)
-
-
-def side(gen, batch: int, blocks: int, layout):
-    """Random packed indices and tables of ``layout``, and the latent they decode to
-    ``(batch, blocks·BLOCK, r)`` in float64."""
-    payload, tables = [], []
-    for subs, d, ib in layout:
-        idx = torch.randint(0, 2 ** ib, (batch, subs, blocks, BLOCK), generator=gen)
-        payload.append(pack_bits(idx, ib).flatten(-2))
-        tables.append(torch.randn(subs, 2 ** ib, d, generator=gen))
-    latent = rebuilt(unpacked_runs(payload, tables), [t.double() for t in tables])
-    return payload, tables, latent
 
 
 def assert_float32_close(got, weights, values, terms: int):
