@@ -44,6 +44,7 @@ FIRST = ("tests/test_real_model.py",)
 KEEP_TOGETHER = (
     "tests/api/test_tensor_parallel.py",  # module fixtures launch torchrun three times
     "tests/kernels/test_kernels.py",  # the interpreted kernels (a module fixture, ~11 s)
+    "tests/kernels/test_vector_triton.py",  # the same for the vector codes' kernels (~15 s)
 )
 
 

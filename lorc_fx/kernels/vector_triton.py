@@ -11,9 +11,10 @@ byte ``i % ib``, 3, 5, 6 and 7 bits as one little-endian word a block). Each run
   K, M)`` (``M·S·K·d`` multiply-adds, small); the kernel then adds, for every slot, the
   ``M``-row of each of its sub-vectors' entries: one gather a sub-vector, no latent.
 - sums: one program a sub-vector (and a share of the slots) sums the weights of the slots that
-  picked each codeword, ``hist (K, M)``, as a one-hot product on the tensor cores (exact: each
-  product is a weight or zero; ``ieee`` precision, not TF32); torch then multiplies the
-  per-split sums with the tables.
+  picked each codeword, ``hist (K, M)``, as a product of the slots' one-hot rows with their
+  weights (``tl.dot`` in ``ieee`` float32, not TF32, which would round the weights: each
+  product is then a weight or zero); torch then multiplies the per-split sums with the
+  tables.
 
 Results are float32 and sum in another order than the C++ kernel. Checked against float64
 under the Triton interpreter (``tests/kernels/test_vector_triton.py``) and, where a GPU is

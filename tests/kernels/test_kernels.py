@@ -1,28 +1,25 @@
 """The decode attention kernel against the float64 reference.
 
 Where a GPU is present (the GPU suite, bench/gpu) the Triton kernel runs on CUDA tensors, in
-this process. Elsewhere it runs on CPU tensors under the Triton interpreter. Triton reads
-``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, its own standard library included,
-so the variable must be set before Triton is first imported; within a pytest session that is out
-of this module's hands. The kernel cases therefore run in one child process (this file run as a
-script, ~10 s) and each test checks its case's result. The op's torch fallback and its
-registration are checked in-process.
+this process; elsewhere on CPU tensors under the Triton interpreter, in one child process (this
+file run as a script, ~10 s; ``helpers.interpreted``), and each test checks its case's result.
+The op's torch fallback and its registration are checked in-process.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
-import traceback
 from itertools import product
 from pathlib import Path
 
 import pytest
 import torch
 
-from lorc_fx.kernels import latent_decode_reference, ops, triton_available
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `helpers`, run as a script too
+from helpers.interpreted import case_results, each_case  # noqa: E402
+
+from lorc_fx.kernels import latent_decode_reference, ops, triton_available  # noqa: E402
 
 # relative Frobenius error bound per input dtype (kernel math is float32; p is rounded to the
 # input dtype before its tensor-core product, as on a GPU)
@@ -97,32 +94,16 @@ def summarize(out: torch.Tensor, ref: torch.Tensor) -> dict:
                 empty_rows=int(empty.sum()), empty_rows_zero=bool((out[empty] == 0).all()))
 
 
-def run_kernel_cases(names) -> dict:
-    """Child process entry: each named kernel case's summary, or its traceback."""
-    results = {}
-    for name in names:
-        run, case, dtype = KERNEL_CASES[name]
-        try:
-            results[name] = summarize(*run(case, dtype))
-        except Exception:  # report per case; the parent test shows it
-            results[name] = dict(error=traceback.format_exc())
-    return results
+def run_kernel_case(name: str) -> dict:
+    run, case, dtype = KERNEL_CASES[name]
+    return summarize(*run(case, dtype))
 
 
 @pytest.fixture(scope="module")
 def kernel_results(request):
-    """Summaries of the kernel cases this session selected: run here on a GPU, else from a
-    child process running under ``TRITON_INTERPRET=1``."""
-    pytest.importorskip("triton")
-    names = [item.callspec.params["name"] for item in request.session.items
-             if item.originalname == "test_kernel_matches_reference"]
-    if DEVICE == "cuda":
-        return run_kernel_cases(names)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *names], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    """Summaries of the kernel cases this session selected (``helpers.interpreted``)."""
+    return case_results(request, "test_kernel_matches_reference", __file__, run_kernel_case,
+                        on_gpu=DEVICE == "cuda")
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
@@ -237,4 +218,4 @@ def test_the_kernel_builds_for_a_gpu_whatever_type_the_scale_is_passed_as(scale_
 
 
 if __name__ == "__main__":
-    print(json.dumps(run_kernel_cases(sys.argv[1:])))
+    print(json.dumps(each_case(run_kernel_case, sys.argv[1:])))

@@ -2,23 +2,20 @@
 against float64 maths over the codes decoded.
 
 On a GPU (the GPU suite, bench/gpu) they run on CUDA tensors in this process; elsewhere on CPU
-tensors under the Triton interpreter, in one child process (``TRITON_INTERPRET`` must be set
-before Triton is first imported: see tests/kernels/test_kernels.py), and each test checks its
-case's result.
+tensors under the Triton interpreter, in one child process (``helpers.interpreted``), and each
+test checks its case's result.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `helpers`, run as a script too
+from helpers.interpreted import case_results, each_case  # noqa: E402
 from helpers.vector_codes import side  # noqa: E402
 
 from lorc_fx.codes.vector import BLOCK  # noqa: E402
@@ -62,30 +59,11 @@ def run_case(name: str) -> dict:
     return out
 
 
-def run_cases(names) -> dict:
-    results = {}
-    for name in names:
-        try:
-            results[name] = run_case(name)
-        except Exception:  # report per case; the parent test shows it
-            results[name] = dict(error=traceback.format_exc())
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(request):
-    """Each selected case's summary: run here on a GPU, else in a child process under
-    ``TRITON_INTERPRET=1``."""
-    pytest.importorskip("triton")
-    names = [item.callspec.params["name"] for item in request.session.items
-             if item.originalname == "test_kernels_match_float64"]
-    if DEVICE == "cuda":
-        return run_cases(names)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *names], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+    """Each selected case's summary (``helpers.interpreted``)."""
+    return case_results(request, "test_kernels_match_float64", __file__, run_case,
+                        on_gpu=DEVICE == "cuda")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -115,4 +93,4 @@ def test_cuda_tensors_run_the_triton_kernels():
 
 
 if __name__ == "__main__":  # the child process: the named cases' results as one JSON line
-    print(json.dumps(run_cases(sys.argv[1:])))
+    print(json.dumps(each_case(run_case, sys.argv[1:])))
