@@ -42,6 +42,14 @@ def native_applies(x: Tensor, codewords: Tensor) -> bool:
             and x.shape[-1] in KERNEL_DIMS and _library() is not None)
 
 
+def distance_terms(codewords: Tensor) -> tuple[Tensor, Tensor]:
+    """``-2·c`` and ``|c|²`` of ``codewords (S, K, d)``, float32 and contiguous: a codeword's
+    squared distance to ``x`` less ``|x|²`` is ``|c|² + Σ (-2c)·x``, what the kernels sum
+    (``-2``: exact). A caller that assigns to the same codewords often keeps them."""
+    books = codewords.float()
+    return (-2 * books).contiguous(), (books ** 2).sum(-1).contiguous()
+
+
 @custom_op("lorc::nearest_codeword", mutates_args=())
 def nearest_codeword(x: Tensor, codewords: Tensor) -> Tensor:
     """Index of the nearest of ``codewords (S, K, d)`` to each of ``x (S, n, d)``: ``(S, n)``
@@ -51,12 +59,12 @@ def nearest_codeword(x: Tensor, codewords: Tensor) -> Tensor:
         raise ValueError(f"samples {tuple(x.shape)} take codewords of ({subs}, K, {d}), not "
                          f"{tuple(codewords.shape)}")
     x, books = x.float(), codewords.float()
-    norms = (books ** 2).sum(-1)
+    scaled, norms = distance_terms(books)
     if not native_applies(x, books):
         return torch.cat([torch.baddbmm(norms[:, None, :], part, books.transpose(1, 2),
                                         alpha=-2).argmin(-1) for part in x.split(CHUNK, dim=1)],
                          dim=1)
-    rows, scaled = x.transpose(1, 2).contiguous(), (-2 * books).contiguous()  # -2: exact
+    rows = x.transpose(1, 2).contiguous()
     out = torch.empty(subs, n, dtype=torch.int64)
     if n == 0:
         return out

@@ -117,27 +117,25 @@ def _width(tables: list[Tensor]) -> int:
     return _layout(_shapes(tables))[3]
 
 
-def rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor], start: int,
-              staged: int) -> list[Tensor] | None:
+def rewritten(payload: list[Tensor], z: Tensor, scaled: list[Tensor], norms: list[Tensor],
+              start: int, staged: int) -> list[Tensor] | None:
     """``lorc::vector_rewritten``'s blocks by the kernel (its docstring): each run's ``staged``
     blocks ``(b, S, staged, index bytes)`` from block ``start // BLOCK`` of ``payload`` ``(b,
     S, blocks, index bytes)``, the indices of ``z (b, t, r)``'s tokens packed in from
-    ``start``, each the nearest codeword as ``lorc::nearest_codeword`` picks it. None where
+    ``start``, each the nearest codeword (``scaled``, ``norms``: each run's
+    ``nearest_codeword.distance_terms``) as ``lorc::nearest_codeword`` picks it. None where
     the kernels do not serve (then the op computes them with tensor maths)."""
     if not (native_applies(z.device)
-            and all(nearest_codeword.native_applies(c, c) for c in codewords)):
+            and all(nearest_codeword.native_applies(c, c) for c in scaled)):
         return None
-    subs, dims, ibits, _, _, _ = _layout(_shapes(codewords))
-    books = [c.float() for c in codewords]
-    scaled = [(-2 * c).contiguous() for c in books]  # as lorc::nearest_codeword scales them
-    norms = [(c ** 2).sum(-1).contiguous() for c in books]
+    subs, dims, ibits, _, _, _ = _layout(_shapes(scaled))
     payload = [p.contiguous() for p in payload]
     out = [p.new_empty(p.shape[0], p.shape[1], staged, p.shape[3]) for p in payload]
     z = z.float().contiguous()
     b, t, r = z.shape
     _library().lorc_vector_rewrite(z.data_ptr(), _pointers(scaled), _pointers(norms),
                                    _pointers(payload), _pointers(out), subs, dims, ibits,
-                                   len(codewords), b, t, r, payload[0].shape[2], start, staged)
+                                   len(scaled), b, t, r, payload[0].shape[2], start, staged)
     return out
 
 

@@ -8,6 +8,7 @@ from torch.library import opcheck
 from lorc_fx.cache.stores.vector_ops import (rewritten_blocks, vector_decode, vector_encode,
                                             vector_rewritten)
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorSpec, decode, encode
+from lorc_fx.kernels.nearest_codeword import distance_terms
 
 # every index width a run can take: one channel at 5 bits, 4 at 2 (8-bit), 8 at 0.5 (4-bit)
 SPEC = VectorSpec(((3, 5), (8, 2), (16, 0.5)), tuple_dims=8)
@@ -38,7 +39,7 @@ def test_a_write_packs_its_tokens_into_their_blocks_and_keeps_the_others():
     """Static blocks rewritten for 5 tokens from token 6, then 1 at 11, and copied back:
     those tokens read their codes, every other slot keeps what it held."""
     book = _book(2)
-    codewords = book.codewords
+    scaled, norms = (list(t) for t in zip(*map(distance_terms, book.codewords)))
     gen = torch.Generator().manual_seed(3)
     before = torch.randn(2, 4 * BLOCK, SPEC.width, generator=gen)
     blocks = [p.unflatten(-1, (4, -1)).clone() for p in encode(before, book).payload]
@@ -46,9 +47,9 @@ def test_a_write_packs_its_tokens_into_their_blocks_and_keeps_the_others():
     for start, t in ((6, 5), (11, 1)):
         new = torch.randn(2, t, SPEC.width, generator=gen)
         at = torch.tensor(start)
-        for codes, fresh in zip(blocks, vector_rewritten(blocks, new, codewords, at)):
+        for codes, fresh in zip(blocks, vector_rewritten(blocks, new, scaled, norms, at)):
             codes.index_copy_(2, rewritten_blocks(at, t), fresh)
         expected[:, start:start + t] = new
     want = encode(expected, book).payload
     assert all(torch.equal(got.flatten(-2), w) for got, w in zip(blocks, want))
-    opcheck(vector_rewritten, (blocks, new, codewords, torch.tensor(11)))
+    opcheck(vector_rewritten, (blocks, new, scaled, norms, torch.tensor(11)))

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from helpers.vector_codes import side
 from lorc_fx.codes.vector import BLOCK
 from lorc_fx.kernels import vector_reductions
+from lorc_fx.kernels.nearest_codeword import distance_terms
 
 native = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                             reason="the kernel is built for x86-64")
@@ -102,12 +103,13 @@ def test_the_static_write_packs_the_indices_the_tensor_maths_packs(layout, batch
     width = sum(subs * d for subs, d, _ in layout)
     z = torch.randn(batch, tokens, width, generator=gen)
     start = torch.tensor(int(torch.randint(0, blocks * BLOCK - tokens + 1, (1,), generator=gen)))
-    assert vector_reductions.rewritten(payload, z, tables, int(start), -(-tokens // BLOCK) + 1)
-    got = vector_ops.vector_rewritten(payload, z, tables, start)
+    terms = [list(t) for t in zip(*map(distance_terms, tables))]  # -2c, |c|² a run
+    assert vector_reductions.rewritten(payload, z, *terms, int(start), -(-tokens // BLOCK) + 1)
+    got = vector_ops.vector_rewritten(payload, z, *terms, start)
     vector_reductions_rewritten = vector_reductions.rewritten
     try:
         vector_reductions.rewritten = lambda *args: None
-        expected = vector_ops.vector_rewritten(payload, z, tables, start)
+        expected = vector_ops.vector_rewritten(payload, z, *terms, start)
     finally:
         vector_reductions.rewritten = vector_reductions_rewritten
     assert all(torch.equal(g, e) for g, e in zip(got, expected))

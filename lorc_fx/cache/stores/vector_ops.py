@@ -9,7 +9,7 @@ side instead of every run's unpacking, gathers and packing traced out:
   attention reads of a side, every token's latent ``(b, 1, tokens, r)``: the first ``coded``
   decoded, then the window's rows, each row's sink written over its position; decode steps
   read the codes themselves instead (``compile.quantized_attention`` finds this op);
-- ``lorc::vector_rewritten(payload, z (b, t, r), codewords, start)``: the blocks of a static
+- ``lorc::vector_rewritten(payload, z (b, t, r), scaled, norms, start)``: the blocks of a static
   store's ``(b, S, blocks, index bytes)`` that ``t`` tokens written from token ``start`` (a
   0-d tensor) reach, their indices packed in; the store copies them back in place.
 
@@ -91,20 +91,23 @@ VECTOR_LATENTS = torch.ops.lorc.vector_latents.default
 
 
 @custom_op("lorc::vector_rewritten", mutates_args=())
-def vector_rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor],
+def vector_rewritten(payload: list[Tensor], z: Tensor, scaled: list[Tensor], norms: list[Tensor],
                      start: Tensor) -> list[Tensor]:
     """The blocks ``(b, S, ceil(t / BLOCK) + 1, index bytes)`` of a static store's ``payload``
     ``(b, S, blocks, index bytes)`` from the one token ``start`` falls in, with the indices of
     ``z (b, t, r)``'s tokens packed over theirs from ``start`` (a token's index is its own;
-    the other tokens of those blocks keep theirs). The caller copies them back in place
+    the other tokens of those blocks keep theirs), each its nearest codeword: ``scaled``,
+    ``norms`` are each run's ``distance_terms`` of its codewords, kept by the store (forming
+    them each call doubled a one-token write's time). The caller copies the blocks back in place
     (``index_copy_`` at :func:`rewritten_blocks`): a mutating op would be functionalized, its
     whole payload cloned every step."""
     t = z.shape[1]
-    by_kernel = vector_reductions.rewritten(payload, z, codewords, int(start), _staged(t))
+    by_kernel = vector_reductions.rewritten(payload, z, scaled, norms, int(start), _staged(t))
     if by_kernel is not None:
         return by_kernel
     block = rewritten_blocks(start, t)
     at = start % BLOCK + torch.arange(t, device=z.device)
+    codewords = [-0.5 * s for s in scaled]  # exact
     fresh = run_indices(z.float(), codewords, nearest_codeword)
     out = []
     for (*_, ib), codes, new in zip(layout_of(codewords), payload, fresh):
@@ -115,7 +118,7 @@ def vector_rewritten(payload: list[Tensor], z: Tensor, codewords: list[Tensor],
 
 
 @vector_rewritten.register_fake
-def _(payload, z, codewords, start):
+def _(payload, z, scaled, norms, start):
     staged = _staged(z.shape[1])
     return [p.new_empty(p.shape[0], p.shape[1], staged, p.shape[3]) for p in payload]
 

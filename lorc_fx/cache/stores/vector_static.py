@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from lorc_fx.codes.vector import BLOCK, VectorBook
+from lorc_fx.kernels.nearest_codeword import distance_terms
 
 from .full import buffer
 from .vector_ops import rewritten_blocks, vector_latents, vector_rewritten
@@ -41,6 +42,7 @@ class VectorStaticStore:
         self.sink: torch.Tensor | None = None
         self.sink_at: torch.Tensor | None = None  # (b,); None: position 0
         self.max_cache_len = 0
+        self.terms: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # each run's -2c, |c|²
 
     def place_sinks(self, positions: torch.Tensor) -> None:
         """Each row's sink at ``positions`` ``(b,)`` instead of position 0; before the first
@@ -54,6 +56,8 @@ class VectorStaticStore:
         if ring or basis is None:
             raise ValueError("vector codes are stored for latents of full-attention layers only")
         self.max_cache_len, self.book = max_cache_len, self.book.to(states.device)
+        scaled, norms = zip(*(distance_terms(c) for c in self.book.codewords))
+        self.terms = (list(scaled), list(norms))
         window = buffer(states, basis, 0)
         b = window.shape[0]
         blocks = -(-max_cache_len // BLOCK) + 1
@@ -71,7 +75,7 @@ class VectorStaticStore:
         b, _, t, r = states.shape
         block = rewritten_blocks(start, t)
         for codes, new in zip(self.payload, vector_rewritten(
-                list(self.payload), states[:, 0], self.book.codewords, start)):
+                list(self.payload), states[:, 0], *self.terms, start)):
             codes.index_copy_(2, block, new)
         # the sink, where this write covers it (a where, not a branch)
         local = (self.sink_at - start).clamp(0, t - 1).view(b, 1, 1, 1).expand(b, 1, 1, r)
