@@ -49,8 +49,8 @@ def _indices(row, n, live, IB: tl.constexpr, WHOLE: tl.constexpr):
 
 @triton.jit
 def _scores_kernel(table_q, payload, out, S, K, M, slots, blocks, stride_out_b, stride_out_m,
-                   IB: tl.constexpr, WHOLE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
+                   IB: tl.constexpr, WHOLE: tl.constexpr, ACCUMULATE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """``out[b, m, n] (+)= Σ_s table_q[b, s, index(b, s, n), m]`` for one run."""
     b, tile = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,7 +120,8 @@ def scores(q: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Tensor:
                                table).contiguous()
         _scores_kernel[(b, triton.cdiv(slots, SLOTS))](
             table_q, codes, out, subs, count, m, slots, blocks, out.stride(0), out.stride(1),
-            IB=ib, WHOLE=ib in (1, 2, 4, 8), ACCUMULATE=u > 0, BLOCK_N=SLOTS, BLOCK_M=_rows_block(m))
+            IB=ib, WHOLE=ib in (1, 2, 4, 8), ACCUMULATE=u > 0, BLOCK_N=SLOTS,
+            BLOCK_M=_rows_block(m))
     return out
 
 

@@ -42,7 +42,8 @@ class VectorStaticStore:
         self.sink: torch.Tensor | None = None
         self.sink_at: torch.Tensor | None = None  # (b,); None: position 0
         self.max_cache_len = 0
-        self.terms: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # each run's -2c, |c|²
+        # each run's -2c and |c|² (``distance_terms``), formed once for the writes
+        self.terms: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def place_sinks(self, positions: torch.Tensor) -> None:
         """Each row's sink at ``positions`` ``(b,)`` instead of position 0; before the first
