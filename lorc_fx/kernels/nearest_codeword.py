@@ -61,9 +61,8 @@ def nearest_codeword(x: Tensor, codewords: Tensor) -> Tensor:
     x, books = x.float(), codewords.float()
     scaled, norms = distance_terms(books)
     if not native_applies(x, books):
-        return torch.cat([torch.baddbmm(norms[:, None, :], part, books.transpose(1, 2),
-                                        alpha=-2).argmin(-1) for part in x.split(CHUNK, dim=1)],
-                         dim=1)
+        return torch.cat([torch.baddbmm(norms[:, None, :], part, scaled.transpose(1, 2))
+                          .argmin(-1) for part in x.split(CHUNK, dim=1)], dim=1)
     rows = x.transpose(1, 2).contiguous()
     out = torch.empty(subs, n, dtype=torch.int64)
     if n == 0:
