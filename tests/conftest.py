@@ -6,10 +6,19 @@ sys.path.insert(0, os.path.dirname(__file__))  # the shared helpers package: `fr
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch._inductor.config as inductor_config  # noqa: E402
 
 from helpers.tiny_llama import save_tiny_llama, write_text  # noqa: E402
 
 torch.set_num_threads(1)
+
+# Inductor writes its C++ kernels without SIMD here (``simdlen`` 1; torchrun's workers too,
+# helpers/tp_worker.py): the toy models' tests prove the pass's graphs and ops, which scalar
+# kernels compute as vector ones do, and choosing vector tiles over the codes' index
+# arithmetic is ~40% of a toy's compile on 2 cores (test_waterfilled_keys' Inductor test:
+# 194 s against 346 s, alone). Tests marked ``vectorized`` (the real model) compile as users
+# do (the fixture at the end).
+inductor_config.cpp.simdlen = 1
 
 
 # The tiny Llama of ``helpers.tiny_llama``, saved once per session, loaded per test with its
@@ -74,3 +83,14 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # keep the order above, not the largest scope first
     return Scheduler(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _inductor_vector_kernels(request):
+    """Vectorized Inductor kernels (the width Inductor picks for this CPU) for ``vectorized``
+    tests."""
+    if request.node.get_closest_marker("vectorized") is None:
+        yield
+        return
+    with inductor_config.patch({"cpp.simdlen": None}):
+        yield
