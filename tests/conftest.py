@@ -12,12 +12,13 @@ from helpers.tiny_llama import save_tiny_llama, write_text  # noqa: E402
 
 torch.set_num_threads(1)
 
-# Inductor writes its C++ kernels without SIMD here (``simdlen`` 1; torchrun's workers too,
-# helpers/tp_worker.py): the toy models' tests prove the pass's graphs and ops, which scalar
-# kernels compute as vector ones do, and choosing vector tiles over the codes' index
-# arithmetic is ~40% of a toy's compile on 2 cores (test_waterfilled_keys' Inductor test:
-# 194 s against 346 s, alone). Tests marked ``vectorized`` (the real model) compile as users
-# do (the fixture at the end).
+# Inductor writes its C++ kernels without SIMD here (``simdlen`` 1; in the processes tests
+# start too: helpers/tp_worker.py, test_gpu_suite.py): the toy models' tests prove the pass's
+# graphs and ops, which scalar kernels compute as vector ones do, and choosing vector tiles
+# over the codes' index arithmetic is ~40% of a toy's compile on 2 cores
+# (test_waterfilled_keys' Inductor test: 194 s against 346 s, alone). Tests marked
+# ``vectorized`` (the real model's, one toy's 4-bit codes) compile as users' machines do (the
+# fixture at the end).
 inductor_config.cpp.simdlen = 1
 
 

@@ -416,11 +416,14 @@ def test_plain_decode_over_heads_of_64_runs_the_fused_kernel(bits, cache, monkey
 
 @pytest.mark.slow
 @pytest.mark.inductor
-@pytest.mark.parametrize("mode, bits", [("plain", 4), ("reconstruct", 4)])
+@pytest.mark.parametrize("mode, bits", [pytest.param("plain", 4, marks=pytest.mark.vectorized),
+                                        ("reconstruct", 4)])
 def test_inductor_generate_over_quantized_latents_matches_eager(mode, bits):
     """Through Inductor (~20 s a graph on 2 cores: slow). Measured: 4 or 5 graphs, tokens
     equal. 8-bit latents of an absorbed (commute) plan through Inductor: the static cache's
-    test (tests/cache/test_quantized_static.py::test_inductor_decode_matches_eager)."""
+    test (tests/cache/test_quantized_static.py::test_inductor_decode_matches_eager). The
+    ``plain`` case compiles vectorized kernels (tests/conftest.py), so that Inductor's SIMD
+    unpacking of 4-bit codes is checked on a toy as well as the real model's 8-bit ones."""
     model = build(config_for("llama", heads=4, kv_heads=2, layers=1))
     ids, mask = prompt(length=6)
     compress_quantized(model, mode, bits, group=4)
