@@ -21,6 +21,12 @@ a head; identity basis), as measured best at 4.5 bits per value on the planner's
 windows (docs/schemes/keys_waterfilled.md): keys over widths 3/4/8 in groups of 256 tokens
 beside 4-bit values.
 
+Measured only where the budget leaves the key rows on average at least what the narrowest
+row stores (3 bits and its scales): below that the water-filling drops most rows, where
+vector codes (``schemes.vector``) keep them at 0.5-2 bits; on the default model water-filled
+keys lost 0.14 nats of held-out loss to vector codes at 3 bits per value and 0.51 at 2.56
+(bench/results/bits_pareto-cpu.md), and measuring them cost a first plan ~20 s.
+
 Invariants of the plan: each layer's key basis holds the rows it keeps, reordered into runs of
 one width, widest first (its ``k_code``, a ``ChannelSplit``); its bytes are the budget's or
 fewer; no compressed layer drops every key row.
@@ -43,7 +49,7 @@ from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, pla
                                   scale_dtype, value_token_group)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
-from lorc_fx.search.context import Candidate, SearchContext
+from lorc_fx.search.context import Candidate, SearchContext, Skipped
 from lorc_fx.search.split import held_out_loss
 from lorc_fx.search.windows import through_cache
 
@@ -150,6 +156,17 @@ def waterfilled_candidate(model: nn.Module, blocks: list[AttentionBlock], option
     ``latent_group``), the rounding errors measured on ``ERROR_TOKENS`` calibration tokens."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
+    rows = sum(l.k_full for l in full.layers if not l.skipped and l.k_compressible)
+    narrowest = min(KEY_WIDTHS) + 2 * SCALE_BITS / KEY_GROUP
+    keys = key_bits(full, options)
+    if keys <= 0:
+        raise _values_fill_the_budget()
+    if keys < narrowest * rows:
+        raise Skipped(f"the budget leaves the key rows {keys / rows:.2f} "
+                      f"bits a token on average, less than the narrowest row stores "
+                      f"({narrowest:g}): most rows would be dropped, where vector codes keep "
+                      "them at 0.5-2 bits (measured on the default model: water-filled keys "
+                      "lost 0.14 nats to vector codes at 3 bits per value, 0.51 at 2.56)")
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
     windows = windows[:max(1, ERROR_TOKENS // windows.shape[1])]
@@ -181,6 +198,26 @@ def _plain_values(layer: LayerPlan, options: PlanOptions, scales: torch.dtype | 
                    v_code=code)
 
 
+def _values_fill_the_budget() -> UnreachableFraction:
+    return UnreachableFraction("keys water-filled beside quantized values: the values alone "
+                               "fill the budget", 0.0)
+
+
+def key_bits(full: Plan, options: PlanOptions) -> float:
+    """Bits a token the budget of ``options`` leaves the key codes of ``full`` (a full-rank
+    plan) beside everything else: values at ``latent_bits`` with their scales, what is kept
+    in full precision, the RoPE angle log."""
+    budget, float_bits = options.budget.bits(full.dtype_bits)
+    values_per_token, _ = full.cache_elements_per_token()
+    fixed = full.rotary_log * float_bits
+    for l in full.layers:
+        fixed += l.k_full * float_bits if l.skipped or not l.k_compressible else 0
+        value_bits = options.latent_bits + 2 * SCALE_BITS / value_token_group(
+            l.head_dim, options.latent_group)
+        fixed += l.v_full * (float_bits if l.skipped or not l.v_compressible else value_bits)
+    return budget * values_per_token - fixed
+
+
 def waterfilled_plan(full: Plan, energies: list[torch.Tensor],
                      rho: list[dict[int, torch.Tensor]], options: PlanOptions,
                      widths: tuple[int, ...] = KEY_WIDTHS, group: int = KEY_GROUP) -> Plan:
@@ -190,22 +227,13 @@ def waterfilled_plan(full: Plan, energies: list[torch.Tensor],
     in groups of ``group`` tokens."""
     if options.latent_bits == 16:
         raise ValueError("keys water-filled beside quantized values need latent_bits 8 or 4")
-    budget, float_bits = options.budget.bits(full.dtype_bits)
-    values_per_token, _ = full.cache_elements_per_token()
-    fixed = full.rotary_log * float_bits  # bits a token of everything but the key codes
-    for l in full.layers:
-        fixed += l.k_full * float_bits if l.skipped or not l.k_compressible else 0
-        value_bits = options.latent_bits + 2 * SCALE_BITS / value_token_group(
-            l.head_dim, options.latent_group)
-        fixed += l.v_full * (float_bits if l.skipped or not l.v_compressible else value_bits)
     picked = [i for i, l in enumerate(full.layers) if not l.skipped and l.k_compressible]
     if not picked:
         raise UnreachableFraction("keys water-filled: no layer caches key latents (keys behind "
                                   "a norm or layers kept full)", 0.0)
-    keys = budget * values_per_token - fixed
+    keys = key_bits(full, options)
     if keys <= 0:
-        raise UnreachableFraction("keys water-filled beside quantized values: the values alone "
-                                  "fill the budget", 0.0)
+        raise _values_fill_the_budget()
     bits = allocate([energies[i] for i in picked], [rho[i] for i in picked], keys, widths,
                     group)
     scales = scale_dtype(full.dtype_bits)

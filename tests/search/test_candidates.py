@@ -301,3 +301,32 @@ def test_a_width_past_a_rising_loss_is_not_measured(model, tmp_path, monkeypatch
         assert order == sorted(order)  # narrowest first
         assert (16 in order) is sixteen
         assert (report.plan.candidates[0]["latent_bits"] == 16) is sixteen
+
+
+def test_keys_water_filled_are_not_measured_where_the_rows_would_average_under_3_bits(
+        model, tmp_path, monkeypatch):
+    """The values (4 bits and a scale per head of 8 channels: 8 bits here) leave the keys
+    2·B − 8 bits a value less the RoPE angle log: at 5 bits per value under 2, less than the
+    narrowest row's 3.125, so the candidate is skipped, saying why, before its rounding
+    errors are measured; at 7 bits it plans."""
+    from lorc_fx.analysis import analyze
+    from lorc_fx.plan.scheme import SCHEMES
+    from lorc_fx.search.planning import search_context
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("lorc_fx.schemes.keys_waterfilled.rounding_errors",
+                        lambda *a, **k: pytest.fail("rounding errors measured"))
+    blocks = analyze(model)
+    search = search_context(model, blocks, PlanOptions(
+        bits_per_value=5.0, basis="weight", schedule="uniform", rope="reconstruct"))
+    (waterfilled,) = SCHEMES["keys_waterfilled"].candidates(search)
+    with pytest.raises(Skipped, match=r"key rows 1\.\d\d bits a token on average, less than "
+                                      r"the narrowest row stores \(3\.125\)"):
+        waterfilled.build()
+    monkeypatch.undo()
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    search = search_context(model, blocks, PlanOptions(
+        bits_per_value=7.0, basis="weight", schedule="uniform", rope="reconstruct"))
+    (waterfilled,) = SCHEMES["keys_waterfilled"].candidates(search)
+    plan, _ = waterfilled.build()
+    assert plan.scheme.name == "keys_waterfilled" and plan.bits_per_value <= 7.0 + 1e-9
