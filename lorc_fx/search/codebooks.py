@@ -36,8 +36,8 @@ WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6)  # bits a channel a book is fitted at
 TUPLE_DIMS = 16  # channels allocated one width together (the longest sub-vector)
 FIT_ITERATIONS = 15  # Lloyd iterations per book
 
-_FORMAT = 3  # bump when what books_and_sensitivities computes changes (2: the coding errors
-# kept too; 3: the bases kept too, compared on reading)
+_FORMAT = 4  # bump when what books_and_sensitivities computes changes (2: the coding errors
+# kept too; 3: the bases kept too, compared on reading; 4: k-means' coarse steps)
 BASES_ATOL = 1e-6  # bases this close to those the books were fitted under reuse them: the same
 # calibration at another thread count moved the default model's by at most 4e-12
 

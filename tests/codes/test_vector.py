@@ -96,6 +96,35 @@ def test_kmeans_finds_well_separated_clusters():
     assert err < 1e-3
 
 
+def test_kmeans_coarse_steps_read_a_quarter_of_the_samples_and_fit_as_well():
+    """Two thirds of the steps assign a quarter of the samples, the rest all of them; the
+    codewords' error is within a few percent of as many steps on all samples, and a sample
+    set too small for a quarter to give each codeword 4 samples takes every step on all."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 4096, 4, generator=gen) * torch.tensor([3.0, 1.0, 0.5, 0.1])
+    seen = []
+
+    def recording(samples, books):
+        seen.append(samples.shape[1])
+        return nearest(samples, books)
+
+    books = kmeans(x, 64, iters=15, assign=recording)
+    assert seen == [1024] * 10 + [4096] * 5
+    error = lambda b: float(((x - b.gather(1, nearest(x, b)[..., None].expand(-1, -1, 4)))
+                             ** 2).mean())
+    every_step = x[:, torch.randperm(4096, generator=torch.Generator().manual_seed(0))[:64]]
+    for _ in range(15):  # the same start, every step on all samples
+        idx = nearest(x, every_step)
+        sums = torch.zeros_like(every_step).scatter_add_(1, idx[..., None].expand(-1, -1, 4), x)
+        counts = torch.zeros(2, 64).scatter_add_(1, idx, torch.ones(2, 4096))
+        every_step = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None],
+                                 every_step)
+    assert error(books) < 1.05 * error(every_step)
+    seen.clear()
+    kmeans(x[:, :1000], 64, iters=6, assign=recording)
+    assert seen == [1000] * 6
+
+
 @pytest.mark.parametrize("iters", (0, 1, 4))
 def test_scalar_lloyd_steps_as_the_nearest_level_assigns(iters):
     """In one dimension k-means sorts the samples once and sums between midpoints; each step
