@@ -162,7 +162,7 @@ def waterfilled_candidate(model: nn.Module, blocks: list[AttentionBlock], option
     if keys <= 0:
         raise _values_fill_the_budget()
     if keys < narrowest * rows:
-        raise Skipped(f"the budget leaves the key rows {keys / rows:.2f} "
+        raise Skipped(f"the budget leaves each key row {keys / rows:.2f} "
                       f"bits a token on average, less than the narrowest row stores "
                       f"({narrowest:g}): most rows would be dropped, where vector codes keep "
                       "them at 0.5-2 bits (measured on the default model: water-filled keys "

@@ -320,7 +320,7 @@ def test_keys_water_filled_are_not_measured_where_the_rows_would_average_under_3
     search = search_context(model, blocks, PlanOptions(
         bits_per_value=5.0, basis="weight", schedule="uniform", rope="reconstruct"))
     (waterfilled,) = SCHEMES["keys_waterfilled"].candidates(search)
-    with pytest.raises(Skipped, match=r"key rows 1\.\d\d bits a token on average, less than "
+    with pytest.raises(Skipped, match=r"each key row 1\.\d\d bits a token on average, less than "
                                       r"the narrowest row stores \(3\.125\)"):
         waterfilled.build()
     monkeypatch.undo()
