@@ -100,8 +100,11 @@ def _accumulate(acc: _Accumulator, query, key, value, p, out) -> None:
     total = w.sum(-1).double().reshape(-1, 1)
     received = w.sum((1, 2)).double().reshape(-1, 1)  # Σ over heads and positions, per key
     k = keys.double().reshape(-1, width)
-    acc.add("keys", (k * received).T @ k - mean_key.T @ weighted - weighted.T @ mean_key
-            + (mean_key * total).T @ mean_key)
+    # Σ w_n (k_n − k̄)(k_n − k̄)ᵀ = Σ_n w_n k_n k_nᵀ − (k̄ᵀW + Wᵀk̄ − k̄ᵀ(total·k̄)) per (head,
+    # position), the bracket X + Xᵀ with X = k̄ᵀ(W − total·k̄/2): one product over the
+    # heads' positions instead of three
+    cross = mean_key.T @ (weighted - total / 2 * mean_key)
+    acc.add("keys", (k * received).T @ k - cross - cross.T)
 
     q = query.double()
     blocks = [sum((lambda f: f.T @ f)(q[:, i].reshape(-1, d)) for i in range(j * groups, (j + 1) * groups))
