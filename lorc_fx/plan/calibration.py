@@ -31,6 +31,7 @@ import tempfile
 import weakref
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -135,10 +136,13 @@ def owner_module(weight_name: str) -> str:
     return weight_name.rsplit(".", 1)[0]
 
 
-@torch.no_grad()
 def collect(model: nn.Module, blocks: list[AttentionBlock], windows: torch.Tensor,
-            batch_size: int = 2) -> dict:
-    """Input grams per K-owning module and attention moments per layer, over ``windows``."""
+            batch_size: int = 2,
+            backward: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> dict:
+    """Input grams per K-owning module and attention moments per layer, over ``windows``;
+    with ``backward``, each batch's forward runs with gradients and ``backward(batch,
+    logits)`` is called after it (``plan.sensitivity`` measures the loss's gradients in the
+    same pass)."""
     supported = [b for b in blocks if b.supported]
     modules = sorted({owner_module(b.k.weight) for b in supported})
     sums: dict[str, torch.Tensor] = {}
@@ -159,11 +163,16 @@ def collect(model: nn.Module, blocks: list[AttentionBlock], windows: torch.Tenso
     probe = AttentionProbe(model, layers)
     from tqdm.auto import tqdm
 
+    desc = "calibrating on it" + (" (and the loss's gradients)" if backward else "")
     try:
         with probe if probe_supported(model) else contextlib.nullcontext():
-            for batch in tqdm(windows.split(batch_size), desc="calibrating on it",
-                              unit="batch", mininterval=1.0):
-                model(batch.to(device), use_cache=False)
+            for batch in tqdm(windows.split(batch_size), desc=desc, unit="batch",
+                              mininterval=1.0):
+                batch = batch.to(device)
+                with torch.set_grad_enabled(backward is not None):
+                    logits = model(batch, use_cache=False).logits
+                    if backward is not None:
+                        backward(batch, logits)
     finally:
         for h in handles:
             h.remove()

@@ -18,18 +18,43 @@ projection's rows: values, keys without RoPE and keys cached before RoPE. A side
 latent is not (keys behind a norm, keys cached after RoPE) has none:
 :func:`sensitivities_and_latents` returns ``None`` and the caller keeps the energies. Each
 window's first token (the sink, never coded) is left out.
+
+What the pass keeps does not depend on the basis: per K and V projection, the second
+moments of its output rows ``y`` and of their gradients ``g`` (``D × D``) and the rows
+themselves (:class:`ProjectionMoments`); a basis ``P`` with rebuild ``B`` then gives
+``E[z_c²] = (P·E[yyᵀ]·Pᵀ)_cc``, ``F_c = (B·E[ggᵀ]·Bᵀ)_cc`` and the latents ``y·Pᵀ``
+(:func:`sensitivities`). So a first plan measures them in the calibration pass that
+measures the bases' statistics (:func:`calibration_with_gradients`): one pass over the
+calibration text fewer.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
-from .calibration import owner_module
+from .calibration import (CalibrationUnavailable, cache_path, calibration_tokenizer,
+                          calibration_windows, collect, owner_module, save_atomic)
+from .options import CalibrationOptions
 from .planner import LayerPlan, Plan
 
 Side = tuple[int, str]  # (layer, "k" or "v")
+
+
+@dataclass
+class ProjectionMoments:
+    """Per side, over calibration windows (each window's first token left out): ``grams``
+    ``Σ y yᵀ`` and ``gradients`` ``Σ g gᵀ`` of the projection's output rows ``y`` and the
+    loss's total derivative ``g`` by them, ``(D, D)`` float64; the ``rows`` ``(samples, D)``
+    float32 where kept; the ``tokens`` summed over."""
+
+    grams: dict[Side, torch.Tensor]
+    gradients: dict[Side, torch.Tensor]
+    rows: dict[Side, torch.Tensor]
+    tokens: int
 
 
 def _linear_in_projection(block: AttentionBlock, layer: LayerPlan, side: str) -> bool:
@@ -45,70 +70,140 @@ def _rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out[:, 1:].index_select(-1, rows).reshape(-1, len(rows)).double()
 
 
-def sensitivities_and_latents(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
-                              sides: list[Side], windows: torch.Tensor, batch_size: int = 2,
-                              keep_latents: bool = True
-                              ) -> tuple[dict[Side, torch.Tensor], dict[Side, torch.Tensor]] | None:
-    """Per side of ``sides`` (coded by the full-rank ``full``), ``F_c·E[z_c²]`` of each latent
-    channel over ``windows``, float64, and with ``keep_latents`` the latents ``z`` themselves
-    from the same forward, ``(samples, r)`` float32, each window's first token left out (else
-    none): the samples the books are fitted on (``search.codebooks``; the projection's rows
-    taken by ``P`` here rather than by the cache, the same up to rounding), so that a first
-    plan runs the calibration text once for both. ``None`` where a side's latent is not linear
-    in its projection's output (shows progress: a forward and backward per batch)."""
-    block = {b.layer: b for b in blocks}
-    layer = {l.layer: l for l in full.layers}
-    if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):
-        return None
+class ProjectionRecorder:
+    """While entered, the output of every module holding a K or V weight of ``sides`` gets
+    a zero added as a leaf (its gradient is the loss's total derivative by the output,
+    through every later layer; cutting the output from its inputs instead would drop the
+    paths from earlier layers through this one), and the model's weights need no gradient
+    (their flags are restored on leaving). :meth:`backward` runs each batch's backward and
+    adds its moments."""
+
+    def __init__(self, model: nn.Module, blocks: list[AttentionBlock], sides: list[Side],
+                 keep_rows: bool = True):
+        block = {b.layer: b for b in blocks}
+        self.model, self.keep_rows = model, keep_rows
+        device = next(model.parameters()).device
+        self.reads = {(l, s): (owner_module(getattr(block[l], s).weight),
+                               torch.tensor(getattr(block[l], s).row_index(), device=device))
+                      for l, s in sides}
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.shifts: dict[str, torch.Tensor] = {}
+        self.grams = {s: 0.0 for s in sides}
+        self.gradients = {s: 0.0 for s in sides}
+        self.rows: dict[Side, list[torch.Tensor]] = {s: [] for s in sides} if keep_rows else {}
+        self.tokens = 0
+
+    def __enter__(self) -> "ProjectionRecorder":
+        def add_zero_leaf(name):
+            def hook(module, args, out):
+                self.outputs[name] = out.detach()
+                self.shifts[name] = torch.zeros_like(out, requires_grad=True)
+                return out + self.shifts[name]
+            return hook
+
+        owners = sorted({name for name, _ in self.reads.values()})
+        self.handles = [self.model.get_submodule(m).register_forward_hook(add_zero_leaf(m))
+                        for m in owners]
+        self.needs_grad = [p.requires_grad for p in self.model.parameters()]
+        self.model.requires_grad_(False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        for p, flag in zip(self.model.parameters(), self.needs_grad):
+            p.requires_grad_(flag)
+
+    def backward(self, batch: torch.Tensor, logits: torch.Tensor) -> None:
+        """Backpropagate the summed next-token loss of ``batch`` from its ``logits`` (a
+        forward with gradients, under this recorder) and add the batch's moments."""
+        logits = logits[:, :-1].float()
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                          batch[:, 1:].reshape(-1), reduction="sum").backward()
+        for side, (name, rows) in self.reads.items():
+            y, g = _rows(self.outputs[name], rows), _rows(self.shifts[name].grad, rows)
+            self.grams[side] = self.grams[side] + (y.T @ y).cpu()
+            self.gradients[side] = self.gradients[side] + (g.T @ g).cpu()
+            if self.keep_rows:
+                self.rows[side].append(y.float().cpu())
+        self.tokens += batch[:, 1:].numel()
+        self.outputs.clear()
+        self.shifts.clear()
+
+    def moments(self) -> ProjectionMoments:
+        return ProjectionMoments(self.grams, self.gradients,
+                                 {s: torch.cat(parts) for s, parts in self.rows.items()},
+                                 self.tokens)
+
+
+def measure_projections(model: nn.Module, blocks: list[AttentionBlock], sides: list[Side],
+                        windows: torch.Tensor, batch_size: int = 2, keep_rows: bool = True
+                        ) -> ProjectionMoments:
+    """The moments of ``sides``' projections over ``windows``: a forward and backward per
+    batch (shows progress)."""
     device = next(model.parameters()).device
-    # per side: the module whose output holds it, its rows there, P and B (read once)
-    reads = {(l, s): (owner_module(getattr(block[l], s).weight),
-                      torch.tensor(getattr(block[l], s).row_index(), device=device),
-                      getattr(layer[l], f"{s}_basis").to(device),
-                      getattr(layer[l], f"{s}_rebuild").to(device)) for l, s in sides}
-    outputs: dict[str, torch.Tensor] = {}
-    shifts: dict[str, torch.Tensor] = {}
-
-    def add_zero_leaf(name):
-        def hook(module, args, out):
-            # a zero added as a leaf: its gradient is the loss's total derivative by the
-            # output, through every later layer (cutting the output from its inputs instead
-            # would drop the paths from earlier layers through this one)
-            outputs[name], shifts[name] = out.detach(), torch.zeros_like(out, requires_grad=True)
-            return out + shifts[name]
-        return hook
-
-    owners = sorted({name for name, *_ in reads.values()})
-    handles = [model.get_submodule(m).register_forward_hook(add_zero_leaf(m)) for m in owners]
-    needs_grad = [p.requires_grad for p in model.parameters()]
-    model.requires_grad_(False)
-    fisher = {s: 0.0 for s in sides}
-    power = {s: 0.0 for s in sides}
-    latents: dict[Side, list[torch.Tensor]] = {s: [] for s in sides} if keep_latents else {}
-    tokens = 0
-    try:
+    with ProjectionRecorder(model, blocks, sides, keep_rows) as recorder:
         for batch in tqdm(windows.split(batch_size), desc="lorc: measuring the loss's "
                           "sensitivity to each latent channel", unit="batch", mininterval=1.0):
             batch = batch.to(device)
             with torch.enable_grad():
-                logits = model(batch, use_cache=False).logits[:, :-1].float()
-                torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                  batch[:, 1:].reshape(-1),
-                                                  reduction="sum").backward()
-            for side, (name, rows, basis, rebuild) in reads.items():
-                z = _rows(outputs[name], rows) @ basis.T
-                dz = _rows(shifts[name].grad, rows) @ rebuild.T
-                fisher[side] = fisher[side] + (dz ** 2).sum(0).cpu()
-                power[side] = power[side] + (z ** 2).sum(0).cpu()
-                if keep_latents:
-                    latents[side].append(z.float().cpu())
-            tokens += batch[:, 1:].numel()
-            outputs.clear()
-            shifts.clear()
-    finally:
-        for h in handles:
-            h.remove()
-        for p, flag in zip(model.parameters(), needs_grad):
-            p.requires_grad_(flag)
-    return ({s: fisher[s] * power[s] / tokens ** 2 for s in sides},
-            {s: torch.cat(parts) for s, parts in latents.items()})
+                recorder.backward(batch, model(batch, use_cache=False).logits)
+    return recorder.moments()
+
+
+def calibration_with_gradients(model: nn.Module, blocks: list[AttentionBlock],
+                               options: CalibrationOptions) -> ProjectionMoments | None:
+    """Where the statistics of ``options`` are not on disk: one forward and backward per
+    batch of their windows measures them (written where ``calibration.layer_statistics``
+    reads them) and the moments of every supported block's K and V projections, returned;
+    else ``None``, as where no calibration text can be had (the caller's basis says why)."""
+    path = cache_path(model, blocks, options)
+    if path.is_file():
+        return None
+    try:
+        windows = calibration_windows(calibration_tokenizer(model, options), options, model)
+    except CalibrationUnavailable:
+        return None
+    sides = [(b.layer, side) for b in blocks if b.supported for side in ("k", "v")]
+    with ProjectionRecorder(model, blocks, sides) as recorder:
+        save_atomic(collect(model, blocks, windows, backward=recorder.backward), path)
+    return recorder.moments()
+
+
+def sensitivities(moments: ProjectionMoments, blocks: list[AttentionBlock], full: Plan,
+                  sides: list[Side]
+                  ) -> tuple[dict[Side, torch.Tensor], dict[Side, torch.Tensor]] | None:
+    """Per side of ``sides`` (coded by the full-rank ``full``), ``F_c·E[z_c²]`` of each latent
+    channel, float64, and where ``moments`` kept the rows, the latents ``z`` ``(samples, r)``
+    float32 (else none): the samples the books are fitted on (``search.codebooks``; the
+    projection's rows taken by ``P`` here rather than by the cache, the same up to rounding).
+    ``None`` where a side's latent is not linear in its projection's output."""
+    block = {b.layer: b for b in blocks}
+    layer = {l.layer: l for l in full.layers}
+    if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):
+        return None
+    weights, latents = {}, {}
+    for side in sides:
+        basis = getattr(layer[side[0]], f"{side[1]}_basis").double()
+        rebuild = getattr(layer[side[0]], f"{side[1]}_rebuild").double()
+        fisher = ((rebuild @ moments.gradients[side]) * rebuild).sum(1)
+        power = ((basis @ moments.grams[side]) * basis).sum(1)
+        weights[side] = fisher * power / moments.tokens ** 2
+        if side in moments.rows:
+            latents[side] = (moments.rows[side].double() @ basis.T).float()
+    return weights, latents
+
+
+def sensitivities_and_latents(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
+                              sides: list[Side], windows: torch.Tensor, batch_size: int = 2,
+                              keep_latents: bool = True
+                              ) -> tuple[dict[Side, torch.Tensor], dict[Side, torch.Tensor]] | None:
+    """:func:`sensitivities` measured on ``windows`` (:func:`measure_projections`), the
+    latents with ``keep_latents``; ``None``, measuring nothing, where a side's latent is not
+    linear in its projection's output."""
+    block = {b.layer: b for b in blocks}
+    layer = {l.layer: l for l in full.layers}
+    if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):
+        return None
+    moments = measure_projections(model, blocks, sides, windows, batch_size, keep_latents)
+    return sensitivities(moments, blocks, full, sides)

@@ -79,6 +79,12 @@ class KeysWaterfilled(Scheme):
     def _build(self, search: SearchContext, group: int) -> tuple[Plan, float | None]:
         if search.options.shards > 1:
             raise UnreachableFraction("keys water-filled: not planned over shards", math.inf)
+        options = replace(search.options, rope="reconstruct", latent_bits=VALUE_BITS,
+                          latent_group=group)
+        # before the bases' calibration (which vector codes, planned where this is skipped,
+        # run with their sensitivities): a full-rank plan's layout needs only the weights
+        _check_key_rows(_full_rank(search.layer_inputs(), replace(options, basis="weight")),
+                        options)
         resolved, inputs, note = search.prepared("reconstruct")
         plan = waterfilled_candidate(search.model, search.blocks,
                                      replace(resolved, latent_bits=VALUE_BITS, latent_group=group),
@@ -154,19 +160,8 @@ def waterfilled_candidate(model: nn.Module, blocks: list[AttentionBlock], option
     """The plan at ``options``' budget (``options.rope`` resolved to ``reconstruct``, its
     basis to the one ``inputs`` carry; values at ``latent_bits`` per token in groups of
     ``latent_group``), the rounding errors measured on ``ERROR_TOKENS`` calibration tokens."""
-    full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
-                                       latent_bits=16, key_fraction=None))
-    rows = sum(l.k_full for l in full.layers if not l.skipped and l.k_compressible)
-    narrowest = min(KEY_WIDTHS) + 2 * SCALE_BITS / KEY_GROUP
-    keys = key_bits(full, options)
-    if keys <= 0:
-        raise _values_fill_the_budget()
-    if keys < narrowest * rows:
-        raise Skipped(f"the budget leaves each key row {keys / rows:.2f} "
-                      f"bits a token on average, less than the narrowest row stores "
-                      f"({narrowest:g}): most rows would be dropped, where vector codes keep "
-                      "them at 0.5-2 bits (measured on the default model: water-filled keys "
-                      "lost 0.14 nats to vector codes at 3 bits per value, 0.51 at 2.56)")
+    full = _full_rank(inputs, options)
+    _check_key_rows(full, options)
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
     windows = windows[:max(1, ERROR_TOKENS // windows.shape[1])]
@@ -174,6 +169,28 @@ def waterfilled_candidate(model: nn.Module, blocks: list[AttentionBlock], option
     plan = waterfilled_plan(full, key_energies(inputs, options), rho, options)
     plan.basis_note = note
     return plan
+
+
+def _full_rank(inputs: list[LayerInput], options: PlanOptions) -> Plan:
+    """The full-rank, unquantized plan the water-filling starts from."""
+    return plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
+                                       latent_bits=16, key_fraction=None))
+
+
+def _check_key_rows(full: Plan, options: PlanOptions) -> None:
+    """Refuse a budget the values fill; skip one that leaves the key rows of ``full`` fewer
+    bits a token on average than the narrowest row stores."""
+    rows = sum(l.k_full for l in full.layers if not l.skipped and l.k_compressible)
+    narrowest = min(KEY_WIDTHS) + 2 * SCALE_BITS / KEY_GROUP
+    keys = key_bits(full, options)
+    if rows and keys <= 0:
+        raise _values_fill_the_budget()
+    if 0 < keys < narrowest * rows:
+        raise Skipped(f"the budget leaves each key row {keys / rows:.2f} "
+                      f"bits a token on average, less than the narrowest row stores "
+                      f"({narrowest:g}): most rows would be dropped, where vector codes keep "
+                      "them at 0.5-2 bits (measured on the default model: water-filled keys "
+                      "lost 0.14 nats to vector codes at 3 bits per value, 0.51 at 2.56)")
 
 
 def _keys(layer: LayerPlan, bits: list[int], energy: torch.Tensor, group: int,

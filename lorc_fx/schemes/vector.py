@@ -34,11 +34,11 @@ from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, pla
                                   value_energies)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
-from lorc_fx.plan.sensitivity import Side
+from lorc_fx.plan.sensitivity import ProjectionMoments, Side, calibration_with_gradients
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.candidates import plain_fits
 from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides
-from lorc_fx.search.context import Candidate, SearchContext
+from lorc_fx.search.context import CALIBRATED_BASES, Candidate, SearchContext
 from lorc_fx.search.split import held_out_loss
 
 KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
@@ -73,8 +73,12 @@ class Vector(Scheme):
         if plain_fits(search, min(search.widths)):
             raise UnreachableFraction(f"{name}: planned only where plain quantization does not "
                                       "fit the budget", math.inf)
+        projections = (calibration_with_gradients(search.model, search.blocks,
+                                                  search.options.calibration)
+                       if search.options.basis in CALIBRATED_BASES | {"auto"} else None)
         resolved, inputs, note = search.prepared(mode)
-        plan, loss = vector_candidate(search.model, search.blocks, resolved, inputs, note)
+        plan, loss = vector_candidate(search.model, search.blocks, resolved, inputs, note,
+                                      projections)
         return plan, loss if search.measure else None
 
     def how(self, plan: Plan) -> str:
@@ -176,15 +180,18 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
 
 
 def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-                     inputs: list[LayerInput], note: str) -> tuple[Plan, float]:
+                     inputs: list[LayerInput], note: str,
+                     projections: ProjectionMoments | None = None) -> tuple[Plan, float]:
     """The vector plan at ``options``' budget (``options.rope`` resolved to one mode, its basis to the one ``inputs`` carry) with the least held-out loss over the channels'
     weights (the spectra's energies, the loss's sensitivities where measurable) and the keys'
-    share of ``KEY_SHARES``, and that loss."""
+    share of ``KEY_SHARES``, and that loss (``projections``: what a first calibration
+    measured for the sensitivities, :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
     calibration = options.calibration
     windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
-    books, rho, sensitivities = books_and_sensitivities(model, blocks, full, windows)
+    books, rho, sensitivities = books_and_sensitivities(model, blocks, full, windows,
+                                                        projections)
     measured: dict[tuple[str, float], tuple[float, Plan]] = {}
 
     def loss_at(name: str, weights: dict[Side, torch.Tensor] | None, share: float) -> float:

@@ -28,7 +28,8 @@ from lorc_fx.data.models import user_cache_dir
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
 from lorc_fx.plan.calibration import model_fingerprint, sampling_key, save_atomic
 from lorc_fx.plan.planner import Plan
-from lorc_fx.plan.sensitivity import Side, sensitivities_and_latents
+from lorc_fx.plan.sensitivity import (ProjectionMoments, Side, sensitivities,
+                                      sensitivities_and_latents)
 
 from .windows import through_cache
 
@@ -142,16 +143,21 @@ def _cached(model: nn.Module, full: Plan, what: str) -> dict | None:
 
 
 def _sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
-                   windows: torch.Tensor, keep_latents: bool
+                   windows: torch.Tensor, keep_latents: bool,
+                   projections: ProjectionMoments | None
                    ) -> tuple[dict[Side, torch.Tensor] | None, dict[Side, torch.Tensor] | None]:
     """The loss's sensitivities of every coded side of ``full``, from disk or measured (and
-    written there), and where measured with ``keep_latents``, the pass's latents."""
+    written there: from ``projections`` where given, else by a pass of their own), and
+    where measured with ``keep_latents``, the pass's latents."""
     sides = coded_sides(full)
     data = _cached(model, full, "sensitivity")
     if data is not None:
         return {(l, s): data["sensitivities"][f"{l}/{s}"] for l, s in sides}, None
-    measured = sensitivities_and_latents(model, blocks, full, sides, windows,
-                                         keep_latents=keep_latents)
+    if projections is not None:
+        measured = sensitivities(projections, blocks, full, sides)
+    else:
+        measured = sensitivities_and_latents(model, blocks, full, sides, windows,
+                                             keep_latents=keep_latents)
     if measured is None:
         return None, None
     path = _books_file(model, full, "sensitivity")
@@ -162,7 +168,7 @@ def _sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
 
 
 def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full: Plan,
-                            windows: torch.Tensor
+                            windows: torch.Tensor, projections: ProjectionMoments | None = None
                             ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]],
                                        dict[Side, torch.Tensor] | None]:
     """The books fitted on the latents of ``full`` on ``windows``, their coding errors there
@@ -172,15 +178,17 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
     computed before under the same bases (``BASES_ATOL``), else computed and written there.
 
     A first plan runs ``windows`` once for both: one forward and backward per batch gives the
-    sensitivities and the latents the books are fitted on (:func:`~lorc_fx.plan.sensitivity.
-    sensitivities_and_latents`); only where the sensitivities cannot be measured do the
-    latents come from a forward through the cache (:func:`calibration_latents`). The fit
-    takes ~2 min at two threads on the default model, said once."""
+    sensitivities and the latents the books are fitted on, in the calibration pass of the
+    bases' statistics where it measured ``projections`` (:func:`~lorc_fx.plan.sensitivity.
+    calibration_with_gradients`), else in a pass of its own (:func:`~lorc_fx.plan.
+    sensitivity.sensitivities_and_latents`); only where the sensitivities cannot be measured
+    do the latents come from a forward through the cache (:func:`calibration_latents`). The
+    fit takes ~30 s at two threads on the default model, said once."""
     books_data = _cached(model, full, "vector")
-    sensitivities, samples = _sensitivities(model, blocks, full, windows,
-                                            keep_latents=books_data is None)
+    weights, samples = _sensitivities(model, blocks, full, windows,
+                                      keep_latents=books_data is None, projections=projections)
     if books_data is not None:
-        return (*_read_books(books_data, full), sensitivities)
+        return (*_read_books(books_data, full), weights)
     if not samples:
         samples = calibration_latents(model, blocks, full, windows)
     path = _books_file(model, full)
@@ -195,7 +203,7 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
                  "errors": {f"{layer}/{side}/{b}": err for (layer, side), by_width in rho.items()
                             for b, err in by_width.items()},
                  "bases": _bases(full)}, path)
-    return books, rho, sensitivities
+    return books, rho, weights
 
 
 def coding_errors(samples: dict[Side, torch.Tensor], books: Books

@@ -117,3 +117,39 @@ def test_keys_cached_after_rope_have_no_sensitivity(model, windows):
     weights, _ = sensitivities_and_latents(model, blocks, plan, values, windows,
                                            keep_latents=False)
     assert set(weights) == set(values)
+
+
+def test_a_first_calibration_measures_the_sensitivities_in_its_own_pass(model, tmp_path,
+                                                                         monkeypatch):
+    """``calibration_with_gradients``: where the statistics are not on disk, one pass
+    writes them as ``layer_statistics`` computes them and returns the projections' moments,
+    from which any full-rank basis gets the sensitivities and latents a pass of their own
+    measures; with the statistics on disk it measures nothing."""
+    from lorc_fx.plan import calibration
+    from lorc_fx.plan.options import CalibrationOptions
+    from lorc_fx.plan.sensitivity import calibration_with_gradients, sensitivities
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    blocks = analyze(model)
+    options = CalibrationOptions(tokens=96, window=24)
+    moments = calibration_with_gradients(model, blocks, options)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # as it was
+    windows = calibration.calibration_windows(None, options, model)
+    plain = calibration.collect(model, blocks, windows)
+    written = torch.load(calibration.cache_path(model, blocks, options), weights_only=True)
+    for name, gram in plain["input_grams"].items():
+        torch.testing.assert_close(written["input_grams"][name], gram)
+    for layer, moment in plain["attention"].items():
+        for key, value in moment.items():
+            torch.testing.assert_close(torch.as_tensor(written["attention"][layer][key]),
+                                       torch.as_tensor(value))
+    assert calibration_with_gradients(model, blocks, options) is None
+
+    plan = oblique(compress(model, 1.0, schedule="uniform", basis="weight",
+                            rope="reconstruct").plan)
+    sides = coded_sides(plan)
+    got_weights, got_latents = sensitivities(moments, blocks, plan, sides)
+    weights, latents = sensitivities_and_latents(model, blocks, plan, sides, windows)
+    for side in sides:  # the calibration's attention and SDPA round float32 apart
+        torch.testing.assert_close(got_weights[side], weights[side], rtol=1e-5, atol=0)
+        torch.testing.assert_close(got_latents[side], latents[side])

@@ -307,8 +307,8 @@ def test_keys_water_filled_are_not_measured_where_the_rows_would_average_under_3
         model, tmp_path, monkeypatch):
     """The values (4 bits and a scale per head of 8 channels: 8 bits here) leave the keys
     2·B − 8 bits a value less the RoPE angle log: at 5 bits per value under 2, less than the
-    narrowest row's 3.125, so the candidate is skipped, saying why, before its rounding
-    errors are measured; at 7 bits it plans."""
+    narrowest row's 3.125, so the candidate is skipped, saying why, before the bases are
+    calibrated or its rounding errors measured; at 7 bits it plans."""
     from lorc_fx.analysis import analyze
     from lorc_fx.plan.scheme import SCHEMES
     from lorc_fx.search.planning import search_context
@@ -316,6 +316,8 @@ def test_keys_water_filled_are_not_measured_where_the_rows_would_average_under_3
     monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("lorc_fx.schemes.keys_waterfilled.rounding_errors",
                         lambda *a, **k: pytest.fail("rounding errors measured"))
+    monkeypatch.setattr("lorc_fx.search.context.SearchContext.prepared",
+                        lambda *a, **k: pytest.fail("the bases calibrated"))
     blocks = analyze(model)
     search = search_context(model, blocks, PlanOptions(
         bits_per_value=5.0, basis="weight", schedule="uniform", rope="reconstruct"))
