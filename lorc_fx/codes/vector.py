@@ -343,20 +343,30 @@ def fit(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = True,
     """A book for ``spec`` fitted on calibration latents ``samples (n, r)`` (float32):
     k-means per sub-vector (:func:`kmeans`, with ``assign``); with ``keep_variance`` the
     reconstructions scaled about each channel's mean to its variance on ``samples``."""
+    return fit_measured(samples, spec, keep_variance, iters, assign)[0]
+
+
+def fit_measured(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = True,
+                 iters: int = 15, assign: Assign = nearest) -> tuple[VectorBook, torch.Tensor]:
+    """:func:`fit`, and the squared coding error of each channel the book codes, summed over
+    ``samples`` (``(channels,)`` float64): the book's :func:`reconstruction` of them less
+    themselves, from the fit's own last assignment."""
     x = samples.float()[None]
-    tables = []
+    tables, errors = [], []
     for first, subs, d, ib in spec.layout():
         sets = _sub_vectors(x, first, subs, d)[0].contiguous()  # (S, n, d)
         codewords = kmeans(sets, 1 << ib, iters, assign=assign)
+        idx = assign(sets, codewords)[..., None].expand(-1, -1, d)
         values = codewords
         if keep_variance:
-            rec = codewords.gather(1, assign(sets, codewords)[..., None].expand(-1, -1, d))
+            rec = codewords.gather(1, idx)
             mean = sets.mean(1, keepdim=True)
             spread = ((sets - mean) ** 2).sum(1, keepdim=True) / (
                 (rec - mean) ** 2).sum(1, keepdim=True).clamp_min(1e-30)
             values = mean + (codewords - mean) * spread.sqrt()
         tables.append((codewords, values))
-    return VectorBook(spec, tuple(tables))
+        errors.append(((values.gather(1, idx) - sets).double() ** 2).sum(1).flatten())
+    return VectorBook(spec, tuple(tables)), torch.cat(errors)
 
 
 def select(books: dict[float, VectorBook], bits: list[float],

@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.codes.vector import VectorBook, VectorSpec, fit, reconstruction
+from lorc_fx.codes.vector import VectorBook, VectorSpec, fit_measured
 from lorc_fx.data.models import user_cache_dir
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
 from lorc_fx.plan.calibration import model_fingerprint, sampling_key, save_atomic
@@ -70,18 +70,23 @@ def calibration_latents(model: nn.Module, blocks: list[AttentionBlock], full: Pl
 
 def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WIDTHS,
               tuple_dims: int = TUPLE_DIMS, iters: int = FIT_ITERATIONS
-              ) -> Books:
-    """Per side, a book of its whole latent at each width (shows progress: minutes)."""
+              ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
+    """Per side, a book of its whole latent at each width, and its coding errors on the
+    samples: each channel's squared error over its squared values (shows progress)."""
     books: Books = {}
+    errors: dict[Side, dict[float, torch.Tensor]] = {}
     with tqdm(total=len(samples) * len(widths), desc="lorc: fitting vector codebooks",
               unit="book") as bar:
         for key, x in samples.items():
-            books[key] = {}
+            books[key], errors[key] = {}, {}
+            power = (x.double() ** 2).sum(0).clamp_min(1e-30)
             for b in widths:
-                books[key][b] = fit(x, VectorSpec(((x.shape[1], b),), tuple_dims), iters=iters,
-                                    assign=nearest_codeword)
+                books[key][b], squared = fit_measured(
+                    x, VectorSpec(((x.shape[1], b),), tuple_dims), iters=iters,
+                    assign=nearest_codeword)
+                errors[key][b] = squared / power
                 bar.update()
-    return books
+    return books, errors
 
 
 def _bases(full: Plan) -> dict[str, torch.Tensor]:
@@ -172,7 +177,7 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
                             ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]],
                                        dict[Side, torch.Tensor] | None]:
     """The books fitted on the latents of ``full`` on ``windows``, their coding errors there
-    (:func:`fit_books`, :func:`coding_errors`) and the loss's sensitivities to each latent
+    (:func:`fit_books`) and the loss's sensitivities to each latent
     channel (:func:`~lorc_fx.plan.sensitivity.sensitivities_and_latents`; ``None`` where a side's
     latent is not linear in its projection), each read from the disk cache where it was
     computed before under the same bases (``BASES_ATOL``), else computed and written there.
@@ -195,8 +200,7 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
     log.warning("vector codes: fitting codebooks for every coded side at %d widths on %d "
                 "calibration latents each (once per model: they are cached in %s)",
                 len(WIDTHS), next(iter(samples.values())).shape[0], path.parent)
-    books = fit_books(samples)
-    rho = coding_errors(samples, books)
+    books, rho = fit_books(samples)
     save_atomic({"books": {f"{layer}/{side}/{b}": list(book.tables[0])
                            for (layer, side), by_width in books.items()
                            for b, book in by_width.items()},
@@ -204,14 +208,3 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
                             for b, err in by_width.items()},
                  "bases": _bases(full)}, path)
     return books, rho, weights
-
-
-def coding_errors(samples: dict[Side, torch.Tensor], books: Books
-                  ) -> dict[Side, dict[float, torch.Tensor]]:
-    """Per side and width, each channel's squared coding error over its squared values."""
-    out = {}
-    for key, x in samples.items():
-        power = (x.double() ** 2).sum(0).clamp_min(1e-30)
-        out[key] = {b: ((reconstruction(x, book, nearest_codeword) - x).double() ** 2).sum(0)
-                    / power for b, book in books[key].items()}
-    return out

@@ -18,7 +18,7 @@ from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import layer_inputs
 from lorc_fx.schemes.vector import vector_plan
-from lorc_fx.search.codebooks import calibration_latents, coding_errors, fit_books
+from lorc_fx.search.codebooks import calibration_latents, fit_books
 from helpers.families import VOCAB, build, config_for
 from helpers.pass_helpers import compiled, generate, prompt
 
@@ -37,10 +37,10 @@ def plan(model, request):
     blocks = analyze(model)
     windows = torch.randint(3, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
     samples = calibration_latents(model, blocks, full, windows)
-    books = fit_books(samples, WIDTHS, iters=3)
+    books, errors = fit_books(samples, WIDTHS, iters=3)
     options = PlanOptions.of(full.options, bits_per_value=BUDGET)
     inputs = layer_inputs(named_params(model), blocks)
-    return vector_plan(full, inputs, options, books, coding_errors(samples, books), 0.5)
+    return vector_plan(full, inputs, options, books, errors, 0.5)
 
 
 def forward(model, tokens, cache):

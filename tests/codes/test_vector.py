@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from lorc_fx.codes.vector import (BLOCK, VECTOR_WIDTHS, VectorBook, VectorSpec, decode,
-                                        encode, fit, kmeans, nearest, select, sub_dims)
+                                  encode, fit, fit_measured, kmeans, nearest, reconstruction,
+                                  select, sub_dims)
 
 WIDTHS = VECTOR_WIDTHS + (4, 5, 6)
 
@@ -143,6 +144,16 @@ def test_scalar_lloyd_steps_as_the_nearest_level_assigns(iters):
     got = kmeans(x, 8, iters=iters)
     assert torch.allclose(got, want, atol=1e-5)
     assert (got.diff(dim=1) >= 0).all()
+
+
+def test_a_fit_measures_the_coding_errors_its_book_reconstructs():
+    gen = torch.Generator().manual_seed(3)
+    samples = torch.randn(1500, 24, generator=gen) * torch.linspace(2, 0.2, 24)
+    spec = VectorSpec(((8, 1), (8, 2), (8, 5)))
+    book, squared = fit_measured(samples, spec)
+    want = ((reconstruction(samples, book) - samples).double() ** 2).sum(0)
+    assert squared.dtype == torch.float64
+    torch.testing.assert_close(squared, want)
 
 
 def test_fit_lowers_the_error_of_its_start_and_keeps_variance():

@@ -96,8 +96,7 @@ def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
     gen = torch.Generator().manual_seed(0)
     sides = codebooks.coded_sides(full)
     samples = {side: torch.randn(400, 16, generator=gen) for side in sides}
-    books = codebooks.fit_books(samples, widths=(1, 2, 4), iters=2)
-    rho = codebooks.coding_errors(samples, books)
+    books, rho = codebooks.fit_books(samples, widths=(1, 2, 4), iters=2)
     options = PlanOptions.of(full.options, bits_per_value=3.0)
 
     def bits(heavy: int) -> dict:
