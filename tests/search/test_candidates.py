@@ -258,6 +258,25 @@ def test_below_plain_quantization_vector_codes_are_measured(model, tmp_path, mon
     assert not any(c["scheme"] == "vector" for c in above.plan.candidates)
 
 
+def test_a_first_vector_plan_runs_the_calibration_text_once_for_bases_and_sensitivities(
+        model, tmp_path, monkeypatch):
+    """With a calibrated basis and nothing on disk, the vector candidate's first plan
+    measures the bases' statistics and the loss's sensitivities in one pass (no pass of the
+    sensitivities' own) and keeps both on disk."""
+    from lorc_fx.analysis import analyze
+    from lorc_fx.plan.options import CalibrationOptions
+
+    monkeypatch.setenv("LORC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("lorc_fx.search.codebooks.sensitivities_and_latents",
+                        lambda *a, **k: pytest.fail("a pass of the sensitivities' own"))
+    report = compress(model, bits_per_value=3.0, basis="attention", schedule="uniform",
+                      rope="reconstruct", blocks=analyze(model), progress=False,
+                      calibration=CalibrationOptions(tokens=512, window=64))
+    assert any(c["scheme"] == "vector" and "loss" in c for c in report.plan.candidates)
+    kept = {f.name.split("-")[0] for f in (tmp_path / "calibration").glob("*.pt")}
+    assert {"sensitivity", "vector"} <= kept
+
+
 def test_vector_codes_are_refused_where_no_layer_caches_value_latents(model, tmp_path,
                                                                       monkeypatch):
     """Their books are fitted on the cached latents: with none (every layer kept as
