@@ -13,7 +13,8 @@ from helpers.tiny_llama import save_tiny_llama, write_text  # noqa: E402
 torch.set_num_threads(1)
 
 # Inductor writes its C++ kernels without SIMD here (``simdlen`` 1; in the processes tests
-# start too: helpers/tp_worker.py, test_gpu_suite.py): the toy models' tests prove the pass's
+# start, test_tensor_parallel.py's and test_gpu_suite.py's, ``TORCHINDUCTOR_VEC_ISA_OK=0``:
+# no vector ISA, the same scalar kernels): the toy models' tests prove the pass's
 # graphs and ops, which scalar kernels compute as vector ones do, and choosing vector tiles
 # over the codes' index arithmetic is ~40% of a toy's compile on 2 cores
 # (test_waterfilled_keys' Inductor test: 194 s against 346 s, alone). Tests marked

@@ -32,7 +32,7 @@ DEFAULTS = ("--basis", "auto", "--latent-group", str(GROUP))
 
 def _torchrun(out: Path, model: str, *extra: str) -> list[dict]:
     """What each of the ``WORLD`` processes saw (``tp_worker.run``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_VEC_ISA_OK="0",  # conftest.py
                PYTHONPATH=os.pathsep.join([str(Path(lorc_fx.__file__).parents[1]),
                                            str(WORKER.parents[1]),
                                            os.environ.get("PYTHONPATH", "")]))

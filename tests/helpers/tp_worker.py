@@ -14,14 +14,11 @@ import os
 import sys
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DistributedConfig
 
 import lorc_fx
 from lorc_fx.plan.options import CalibrationOptions
-
-inductor_config.cpp.simdlen = 1  # scalar C++ kernels, as in the test process (conftest.py)
 
 # a small calibration (text sampled from the model) for the data-aware bases
 CALIBRATION = CalibrationOptions(tokens=512, window=64, seed=11)
