@@ -220,6 +220,19 @@ def cache_path(model: nn.Module, blocks: list[AttentionBlock], options: Calibrat
     return user_cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
 
 
+def measure_statistics(model: nn.Module, blocks: list[AttentionBlock],
+                       options: CalibrationOptions, tokenizer=None,
+                       backward: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                       ) -> dict:
+    """:func:`collect` on the windows of ``options`` (``backward`` as it takes it), written
+    where :func:`layer_statistics` reads them."""
+    windows = calibration_windows(tokenizer or calibration_tokenizer(model, options), options,
+                                  model)
+    data = collect(model, blocks, windows, backward=backward)
+    save_atomic(data, cache_path(model, blocks, options))
+    return data
+
+
 def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
                      options: CalibrationOptions | None = None,
                      tokenizer=None) -> dict[int, LayerStatistics]:
@@ -227,13 +240,8 @@ def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
     this model was calibrated with these options before."""
     options = options or CalibrationOptions()
     path = cache_path(model, blocks, options)
-    if path.is_file():
-        data = torch.load(path, weights_only=True)
-    else:
-        windows = calibration_windows(tokenizer or calibration_tokenizer(model, options), options,
-                                      model)
-        data = collect(model, blocks, windows)
-        save_atomic(data, path)
+    data = (torch.load(path, weights_only=True) if path.is_file()
+            else measure_statistics(model, blocks, options, tokenizer))
     out = {}
     for b in blocks:
         if b.supported:

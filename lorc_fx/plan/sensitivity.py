@@ -36,8 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
-from .calibration import (CalibrationUnavailable, cache_path, calibration_tokenizer,
-                          calibration_windows, collect, owner_module, save_atomic)
+from .calibration import CalibrationUnavailable, cache_path, measure_statistics, owner_module
 from .options import CalibrationOptions
 from .planner import LayerPlan, Plan
 
@@ -62,6 +61,13 @@ def _linear_in_projection(block: AttentionBlock, layer: LayerPlan, side: str) ->
     if side == "v":
         return block.v_path == "none"
     return block.k_path == "none" or (block.k_path == "rope" and layer.k_latent_of == "pre_rope")
+
+
+def _all_linear(blocks: list[AttentionBlock], full: Plan, sides: list[Side]) -> bool:
+    """Whether every side's latent in ``full`` is linear in its projection's output."""
+    block = {b.layer: b for b in blocks}
+    layer = {l.layer: l for l in full.layers}
+    return all(_linear_in_projection(block[l], layer[l], s) for l, s in sides)
 
 
 def _rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -157,16 +163,14 @@ def calibration_with_gradients(model: nn.Module, blocks: list[AttentionBlock],
     batch of their windows measures them (written where ``calibration.layer_statistics``
     reads them) and the moments of every supported block's K and V projections, returned;
     else ``None``, as where no calibration text can be had (the caller's basis says why)."""
-    path = cache_path(model, blocks, options)
-    if path.is_file():
-        return None
-    try:
-        windows = calibration_windows(calibration_tokenizer(model, options), options, model)
-    except CalibrationUnavailable:
+    if cache_path(model, blocks, options).is_file():
         return None
     sides = [(b.layer, side) for b in blocks if b.supported for side in ("k", "v")]
-    with ProjectionRecorder(model, blocks, sides) as recorder:
-        save_atomic(collect(model, blocks, windows, backward=recorder.backward), path)
+    try:
+        with ProjectionRecorder(model, blocks, sides) as recorder:
+            measure_statistics(model, blocks, options, backward=recorder.backward)
+    except CalibrationUnavailable:
+        return None
     return recorder.moments()
 
 
@@ -178,10 +182,9 @@ def sensitivities(moments: ProjectionMoments, blocks: list[AttentionBlock], full
     float32 (else none): the samples the books are fitted on (``search.codebooks``; the
     projection's rows taken by ``P`` here rather than by the cache, the same up to rounding).
     ``None`` where a side's latent is not linear in its projection's output."""
-    block = {b.layer: b for b in blocks}
-    layer = {l.layer: l for l in full.layers}
-    if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):
+    if not _all_linear(blocks, full, sides):
         return None
+    layer = {l.layer: l for l in full.layers}
     weights, latents = {}, {}
     for side in sides:
         basis = getattr(layer[side[0]], f"{side[1]}_basis").double()
@@ -201,9 +204,7 @@ def sensitivities_and_latents(model: nn.Module, blocks: list[AttentionBlock], fu
     """:func:`sensitivities` measured on ``windows`` (:func:`measure_projections`), the
     latents with ``keep_latents``; ``None``, measuring nothing, where a side's latent is not
     linear in its projection's output."""
-    block = {b.layer: b for b in blocks}
-    layer = {l.layer: l for l in full.layers}
-    if not all(_linear_in_projection(block[l], layer[l], s) for l, s in sides):
+    if not _all_linear(blocks, full, sides):
         return None
     moments = measure_projections(model, blocks, sides, windows, batch_size, keep_latents)
     return sensitivities(moments, blocks, full, sides)
