@@ -167,15 +167,26 @@ def generate(model, ids, mask=None, new=NEW):
 
 def kv_bytes(cache) -> int:
     """Bytes of the keys and values a transformers cache holds (and an indexer's keys, which
-    grow with them); a latent cache's own count."""
+    grow with them; and every floating tensor of a cache layer class a model defines for itself, as
+    DeepSeek-V4's compressor states), each tensor once (DeepSeek-V4's values are its keys);
+    a latent cache's own count."""
     if hasattr(cache, "cache_bytes"):
         return cache.cache_bytes()
-    pairs = ([(getattr(l, "keys", None), getattr(l, "values", None),
-               getattr(l, "indexer_keys", None)) for l in cache.layers]
-             if hasattr(cache, "layers") else
-             list(zip(getattr(cache, "key_cache", []), getattr(cache, "value_cache", []))))
-    return sum(t.numel() * t.element_size() for pair in pairs for t in pair
-               if hasattr(t, "numel"))
+    import torch
+
+    from lorc_fx.cache import codes_own_states
+
+    held = []
+    for layer in getattr(cache, "layers", []):
+        held += [getattr(layer, name, None) for name in ("keys", "values", "indexer_keys")]
+        if codes_own_states(type(layer)):
+            held += [t for v in vars(layer).values()
+                     for t in (v.values() if isinstance(v, dict) else (v,))
+                     if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not hasattr(cache, "layers"):
+        held = getattr(cache, "key_cache", []) + getattr(cache, "value_cache", [])
+    unique = {id(t): t for t in held if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def failure(err: BaseException) -> dict:
@@ -343,7 +354,9 @@ def markdown(records: list[dict]) -> str:
         "Tiny random float32 models from each config class's defaults (hidden 64, 4 heads, "
         "2 KV heads, head dim 16, vocab 128, the fewest layers keeping the layer pattern); "
         f"greedy `generate`, eager. Default options: `compress(model)`; fractions are the bytes "
-        f"the compressed cache holds over the float32 cache of the same tokens, after a "
+        f"the compressed cache holds over the float32 cache of the same tokens (its keys, values "
+        "and indexer keys, and every floating state of a cache layer class a model defines "
+        "for itself, each tensor once), after a "
         f"{SHORT}-token prompt + {NEW} new (23 cached) and after a {LONG}-token prompt + {NEW} "
         f"new (256 cached), and as the report plans per token; ≤ {GOAL} is judged at 256 "
         f"tokens. Full rank: `compress(model, cache_fraction=1.0, latent_bits=16)`, "

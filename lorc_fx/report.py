@@ -10,6 +10,7 @@ from lorc_fx.analysis.records import AttentionBlock, Projection, RopeLayout
 from lorc_fx.plan import plan_file
 from lorc_fx.plan.options import SELF_TEXT
 from lorc_fx.codes.integer import ChannelSplit, QuantSpec
+from lorc_fx.codes.rows import RowSpec
 from lorc_fx.plan.planner import Code, LayerPlan, Plan
 
 
@@ -64,6 +65,8 @@ def _side(code: Code, rank: int, full: int, latent: bool) -> str:
         return ("in the model's dtype" + of) if of else "in the model's dtype"
     if isinstance(code, ChannelSplit):
         return "water-filled widths " + "+".join(f"{c}×{b}b" for c, b in code.parts) + of
+    if isinstance(code, RowSpec):
+        return f"int{code.bits} rows G{code.group}"
     if isinstance(code, QuantSpec):
         axis = "channel" if code.axis % 4 == 2 else "token"
         return f"int{code.bits} per {axis} G{code.group}{of}"

@@ -20,6 +20,7 @@ from lorc_fx.plan.planner import Code, Plan
 from .hybrid_layers import LatentHybridLayer, LatentHybridSlidingLayer, LatentIndexedLayer
 from .layers import (LatentCodec, LatentDynamicLayer, LatentSlidingLayer, LatentStaticLayer,
                      LatentStaticSlidingLayer)
+from .own_layers import codes_own_states, coded, is_coded
 from .rotary import RotaryLog
 
 SideCodes = tuple[Code, Code]  # (keys, values)
@@ -56,8 +57,8 @@ _SLIDING_LAYERS = {DynamicSlidingWindowLayer: LatentSlidingLayer,
 
 def layers_kept_as_built(config) -> dict[int, str]:
     """The cache layers a :class:`LatentCache` leaves as transformers builds them for this
-    model config (linear attention, convolutions, a model's own layer classes): index →
-    layer type. Layers holding full-attention keys and values (plain, hybrid, indexed)
+    model config (linear attention, convolutions, a model's own layer classes, which only a
+    plan without the graph codes: ``own_layers``): index → layer type. Layers holding full-attention keys and values (plain, hybrid, indexed)
     become latent ones and sliding-window (or chunked) layers sliding latent ones
     (:func:`sliding_windows`), so a plan must count the others full."""
     return {i: kind for i, (kind, _) in enumerate(_layer_kinds(config))
@@ -161,7 +162,7 @@ class LatentCache(Cache):
         """Every tensor the cache holds: keys, values, RoPE angles; codes, scales, zero
         points, sinks and full-precision windows (a static layer's whole allocation)."""
         tensors = [t for layer in self.layers
-                   for t in (layer.tensors() if isinstance(layer, LatentLayer)
+                   for t in (layer.tensors() if isinstance(layer, LatentLayer) or is_coded(layer)
                              else (getattr(layer, "keys", None), getattr(layer, "values", None)))]
         tensors += self.rotary.tensors() if self.rotary is not None else []
         return [t for t in tensors if isinstance(t, torch.Tensor)]
@@ -183,6 +184,9 @@ class LatentCache(Cache):
         layer counts its whole allocation, as ``cache_bytes`` does."""
         total = 0
         for layer in self.layers:
+            if is_coded(layer):
+                total += layer.cached_values()
+                continue
             keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor) \
                     or keys.dim() != 4:
@@ -248,6 +252,8 @@ class _LatentReplicas:
             if isinstance(layer, LinearAttentionLayer) else {}
         if i not in self.bases:
             pass
+        elif codes_own_states(kind) and k_code is not None:
+            layer = coded(layer, k_code)
         elif kind is StaticSlidingWindowLayer and (k_code is not None or v_code is not None):
             layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
                                              self.bases[i], k_code, v_code)

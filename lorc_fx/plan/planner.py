@@ -16,6 +16,7 @@ from lorc_fx.analysis.records import AttentionBlock, RopeLayout
 from lorc_fx.analysis.sharding import full_tensor, model_split
 
 from lorc_fx.codes.integer import ChannelSplit, QuantSpec
+from lorc_fx.codes.rows import RowSpec
 from lorc_fx.codes.vector import VectorBook
 
 from . import allocation as _water_filling  # noqa: F401  (registers its schedules)
@@ -33,7 +34,7 @@ SINK_SEQUENCE = 512
 
 # How one side of a layer is stored: integer codes in groups (one width, or runs of widths
 # over its channels), product vector codes, or ``None``: in the model's dtype
-Code = QuantSpec | ChannelSplit | VectorBook | None
+Code = QuantSpec | ChannelSplit | VectorBook | RowSpec | None
 
 
 def code_bits(code: Code, rows: int, float_bits: int) -> float:
@@ -41,11 +42,14 @@ def code_bits(code: Code, rows: int, float_bits: int) -> float:
     counted: integer codes with a 16-bit scale and zero point (``SCALE_BITS``) per group of
     ``group`` (exact for whole groups: the last, partial group sits in the full-precision
     window), vector codes (no scales) with the sink at ``SINK_SEQUENCE`` tokens a sequence
-    (exact for whole blocks of 8 tokens), floats at ``float_bits``."""
+    (exact for whole blocks of 8 tokens), row codes with an 8-bit exponent per group (a
+    model's own cache layer: ``cache.own_layers``), floats at ``float_bits``."""
     if code is None:
         return rows * float_bits
     if isinstance(code, VectorBook):
         return sum(c * b for c, b in code.spec.runs) + rows * float_bits / SINK_SEQUENCE
+    if isinstance(code, RowSpec):
+        return rows * code.bits_per_value()
     runs = code.parts if isinstance(code, ChannelSplit) else ((rows, code.bits),)
     return sum(c * (b + 2 * SCALE_BITS / code.group) for c, b in runs)
 
@@ -59,6 +63,8 @@ def code_json(code: Code) -> dict | None:
                 "tuple_dims": code.spec.tuple_dims}
     if isinstance(code, ChannelSplit):
         return {"bit_runs": [list(r) for r in code.parts], "group": code.group}
+    if isinstance(code, RowSpec):
+        return {"bits": code.bits, "group": code.group, "rows": True}
     return {"bits": code.bits, "group": code.group, "axis": code.axis}
 
 
@@ -101,6 +107,9 @@ class LayerInput:
     # where it is not ``head_dim`` (MLA: keys of nope + rope dims, values of their own)
     widths: tuple[int, int] | None = None
     v_head_dim: int | None = None
+    # a cache layer class of the model's own (``cache.own_layers``): its every state coded as
+    # rows, the same code for both sides (plain plans only)
+    own_layer: str = ""
 
     @property
     def from_graph(self) -> bool:
@@ -130,14 +139,16 @@ class LayerInput:
 
 
 def cache_layer_input(layer: int, num_heads: int, num_kv_heads: int, k_head_dim: int,
-                      v_head_dim: int, why: str, sliding: tuple[str, int] | None = None
-                      ) -> LayerInput:
+                      v_head_dim: int, why: str, sliding: tuple[str, int] | None = None,
+                      own_layer: str = "") -> LayerInput:
     """A layer the analysis declined (``why``), known by the keys and values its cache holds
     alone (``num_kv_heads`` heads of ``k_head_dim`` / ``v_head_dim`` dims): only a plain plan
     stores it (codes of what the cache receives need no proof of how it was computed), its
-    note says why nothing else does. ``sliding``: (layer type, window) of a sliding layer."""
+    note says why nothing else does. ``sliding``: (layer type, window) of a sliding layer;
+    ``own_layer``: the name of the model's own cache layer class there, whose states are coded
+    as rows."""
     kind, window = sliding if sliding is not None else ("", None)
-    return LayerInput(
+    return LayerInput(own_layer=own_layer,
         layer=layer, k_weight=None, v_weight=None, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=k_head_dim, rope=RopeLayout(), compress_k=False,
         compress_v=False, note=f"plain codes only, no low rank: {why}",
@@ -407,6 +418,12 @@ def _local_layer(layer: LayerPlan, index: int, count: int, interleaved: bool) ->
                    k_rebuild=rows(layer.k_rebuild, k_w), v_rebuild=rows(layer.v_rebuild, v_w))
 
 
+def own_layer_note(kind: str, code: RowSpec, why: str) -> str:
+    """A layer plan's note for a model's own cache layer class, its states coded as rows."""
+    return (f"its own cache layer ({kind}): every state it holds stored as {code.bits}-bit "
+            f"rows, a power-of-two scale per {code.group} values; {why}")
+
+
 def value_token_group(head_dim: int, group: int) -> int:
     """Channels per scale of values quantized per token: ``group`` where it divides the head
     dim, else the whole head (a group never spans two heads)."""
@@ -648,15 +665,19 @@ def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
         sliding = sliding_note(l.sliding_kind, l.sliding_window, True) if l.sliding_window else ""
         note = (l.note if l.kept_as_built or not l.from_graph and not sliding
                 else f"{sliding}; {l.note}" if not l.from_graph else sliding)
+        k_code = QuantSpec.per_channel(bits, group, scales) if kept else None
+        v_code = QuantSpec.per_token(bits, value_token_group(l.v_head_dim or l.head_dim, group),
+                                     scales) if kept else None
+        if l.own_layer:
+            k_code = v_code = RowSpec(bits, value_token_group(l.head_dim, group))
+            note = own_layer_note(l.own_layer, k_code, l.note)
         plans.append(LayerPlan(
             layer=l.layer, k_full=len(k_eye), v_full=len(v_eye), k_rank=len(k_eye),
             v_rank=len(v_eye), skipped=l.kept_as_built, kappa_k=kk, kappa_v=kv,
             log_kappa_cum=lk, num_heads=l.num_heads, num_kv_heads=l.num_kv_heads,
             head_dim=l.head_dim, rope=l.rope, k_latent_of="post_rope", k_basis=k_eye,
             v_basis=v_eye, k_rebuild=k_eye, v_rebuild=v_eye,
-            note=note, k_code=QuantSpec.per_channel(bits, group, scales) if kept else None,
-            v_code=QuantSpec.per_token(bits, value_token_group(l.v_head_dim or l.head_dim, group),
-                                       scales) if kept else None))
+            note=note, k_code=k_code, v_code=v_code))
     plan = Plan(plans, options, (0.0, 0.0), 0, dtype_bits=dtype_bits,
                 scheme=scheme_named(PLAIN))
     size = options.budget.of(plan)

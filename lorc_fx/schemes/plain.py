@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 
+from lorc_fx.codes.rows import RowSpec
 from lorc_fx.plan.options import AUTO, PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plain_quantized_plan
 from lorc_fx.plan.schedules import UnreachableFraction
@@ -65,14 +66,25 @@ class Plain(Scheme):
     def describe(self, plan: Plan) -> list[str]:
         o = plan.options
         kept = sum(l.skipped for l in plan.layers)
+        rows = [l for l in plan.layers if isinstance(l.k_code, RowSpec)]
+        kv = len(plan.layers) - kept - len(rows)
         chosen = ([f"chosen by bits alone, nothing measured: {plan.unproven}"]
                   if plan.unproven else [])
+        stored = []
+        if kv:
+            stored.append(("keys (after RoPE) and values" if not rows else
+                           f"keys (after RoPE) and values of {kv} layers")
+                          + f" stored as {o.latent_bits}-bit "
+                          f"codes, keys per channel over groups of {o.latent_group} tokens, "
+                          "values per token over groups of channels within each head (the last "
+                          "partial group of tokens in full precision)")
+        if rows:
+            stored.append(f"{len(rows)} cache layers of the model's own classes with every "
+                          f"state they hold as {o.latent_bits}-bit rows, a power-of-two scale "
+                          "per group (their layers' lines)")
         return [f"plain KV quantization of {len(plan.layers) - kept} attention layers"
                 + (f" ({kept} kept as transformers builds them)" if kept else "")
-                + f", no low rank: keys (after RoPE) and values stored as {o.latent_bits}-bit "
-                f"codes, keys per channel over groups of {o.latent_group} tokens, values per "
-                "token over groups of channels within each head (the last partial group of "
-                "tokens in full precision)"] + chosen
+                + f", no low rank: {'; '.join(stored)}"] + chosen
 
 
 register(Plain())

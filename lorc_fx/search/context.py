@@ -12,7 +12,7 @@ from transformers.cache_utils import DynamicCache
 
 from lorc_fx.analysis.cache_probe import probe_cache
 from lorc_fx.analysis.records import AttentionBlock, attention_module, named_params
-from lorc_fx.cache import layers_kept_as_built, replaceable, sliding_windows
+from lorc_fx.cache import codes_own_states, layers_kept_as_built, replaceable, sliding_windows
 from lorc_fx.plan.bases import resolve
 from lorc_fx.plan.options import AUTO, LATENT_BITS, LATENT_GROUPS, PlanOptions
 from lorc_fx.plan.planner import (LayerInput, Plan, cache_layer_input, layer_inputs,
@@ -161,7 +161,8 @@ def declined_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], why: s
     probe = probe_cache(model)
     if probe is None or probe.cache_class is not DynamicCache:  # a model's own: not replaced
         return []
-    found = [c for c in probe.layers if c.layer not in proven and replaceable(c.kind)]
+    found = [c for c in probe.layers if c.layer not in proven
+             and (replaceable(c.kind) or codes_own_states(c.kind))]
     if not found:
         return []
     reasons = {b.layer: b.reason for b in blocks if not b.supported and b.reason}
@@ -174,7 +175,8 @@ def declined_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], why: s
     sliding = sliding_windows(config)
     return [cache_layer_input(c.layer, heads.get(c.layer) or every or c.kv_heads, c.kv_heads,
                               c.k_head_dim, c.v_head_dim, reasons.get(c.layer, why),
-                              sliding.get(c.layer))
+                              sliding.get(c.layer),
+                              c.kind.__name__ if codes_own_states(c.kind) else "")
             for c in found]
 
 

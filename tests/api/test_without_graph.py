@@ -2,6 +2,8 @@
 attention (MLA's queries joined from two projections; a forward dynamo cannot trace; a custom
 eager attention it finds no attention in), ``compress`` at default options still codes what
 transformers' cache holds, chosen by bits alone, and says per layer why nothing else is."""
+import copy
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -13,6 +15,8 @@ from helpers.families import (build, config_for, custom_attention_llama,
                               llama_with_one_custom_attention_layer)
 from helpers.pass_helpers import compiled
 from lorc_fx.cache import LatentCache, LatentDynamicLayer
+from lorc_fx.cache.own_layers import is_coded
+from lorc_fx.codes.rows import RowSpec
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.schedules import UnreachableFraction
 
@@ -75,6 +79,43 @@ def test_mla_stores_transformers_latent_as_codes_and_generates_compiled_as_eager
     eager = model.generate(LONG, max_new_tokens=4, do_sample=False)
     with compiled(model, lorc_backend.with_options(inductor=False)):
         assert torch.equal(model.generate(LONG, max_new_tokens=4, do_sample=False), eager)
+
+
+def _held_bytes(cache) -> int:
+    """Bytes of every floating tensor a cache's layers hold (a dict's entries too), each once."""
+    held = {id(t): t for layer in cache.layers for v in vars(layer).values()
+            for t in (v.values() if isinstance(v, dict) else (v,))
+            if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return sum(t.numel() * t.element_size() for t in held.values())
+
+
+def test_a_models_own_cache_layers_hold_every_state_as_row_codes():
+    """DeepSeek-V4's cache layers are classes of its own (a window whose keys are its values,
+    beside compressors' pending tokens, pooled entries and an indexer's keys), its attention
+    declined: at default options every state they hold is stored as 8-bit rows. After 70
+    tokens (the window slid, entries pooled) the cache holds the plan's bits per value, and
+    exactly the plan's fraction of what transformers' own cache holds for the same tokens;
+    beam search runs on it (its reorder recodes rows read back: exact), and compiled with the
+    backend (the graph left as it is) it gives the eager tokens."""
+    model = build(config_for("deepseek_v4"))
+    reference = copy.deepcopy(model)
+    report = lorc_fx.compress(model, progress=False)
+    plan = report.plan
+    assert plan.unproven and plan.cache_fraction <= 0.3
+    assert all(isinstance(l.k_code, RowSpec) and l.k_code == l.v_code for l in plan.layers)
+    assert "its own cache layer (DeepseekV4CSACache)" in str(report)
+    out = model.generate(LONG, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    full = reference.generate(LONG, max_new_tokens=4, do_sample=False,
+                              return_dict_in_generate=True)
+    cache = out.past_key_values
+    assert all(is_coded(l) for l in cache.layers)
+    assert cache.cache_bits() / cache.cached_values() == plan.bits_per_value
+    assert cache.cache_bytes() == pytest.approx(_held_bytes(full.past_key_values)
+                                                * plan.cache_fraction, rel=1e-12)
+    beams = model.generate(LONG, max_new_tokens=3, num_beams=2, do_sample=False)
+    assert beams.shape == (2, LONG.shape[1] + 3)
+    with compiled(model, lorc_backend.with_options(inductor=False)):
+        assert torch.equal(model.generate(LONG, max_new_tokens=4, do_sample=False), out.sequences)
 
 
 @pytest.mark.parametrize("options, why", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config,
+                          DeepseekV4Config,
                           FalconH1Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
                           GptOssConfig, GPTNeoXConfig, LlamaConfig, Lfm2Config, MiniMaxConfig,
                           MistralConfig,
@@ -94,6 +95,18 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
                                  n_routed_experts=2, num_experts_per_tok=1,
                                  first_k_dense_replace=layers, moe_intermediate_size=32,
                                  n_group=1, topk_group=1)
+    if family == "deepseek_v4":  # cache layers of its own: a window whose keys are its values
+        # beside compressors' pending tokens, pooled entries and an indexer's keys
+        return DeepseekV4Config(**{**llama_like, "num_key_value_heads": 1},
+                                layer_types=["heavily_compressed_attention",
+                                             "compressed_sparse_attention"] * max(layers // 2, 1),
+                                compress_rates={"compressed_sparse_attention": 4,
+                                                "heavily_compressed_attention": 8},
+                                sliding_window=8, head_dim=head_dim, q_lora_rank=2 * head_dim,
+                                o_groups=2, o_lora_rank=head_dim, index_n_heads=2,
+                                index_head_dim=head_dim, index_topk=4, hc_mult=2,
+                                n_routed_experts=2, num_experts_per_tok=1,
+                                moe_intermediate_size=32, mlp_layer_types=["moe"] * layers)
     if family == "gpt_neox":
         return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=layers, num_attention_heads=heads,
