@@ -15,6 +15,11 @@ Invariants:
 - A decoded tensor assigned again elsewhere (``self.values = self.keys``) shares its codes: a
   state held once by the model is held once coded.
 - ``tensors()`` is every tensor the layer holds for its states, each once.
+- A state is read as a fresh decoded tensor, so what a layer writes into one in place counts
+  only once it is assigned back (then it is coded afresh). A layer class must assign what it
+  keeps, as transformers' dynamic layers and DeepSeek-V4's do; an in-place write left
+  unassigned is refused at the layer's next read or assignment while the written tensor
+  lives (tensors' version counters).
 """
 from __future__ import annotations
 
@@ -40,25 +45,39 @@ def codes_own_states(kind: type) -> bool:
 
 class _Coder:
     """Codes what a layer assigns, and remembers which decoded tensor came from which codes
-    (so an alias is coded once)."""
+    (so an alias is coded once) at which version (so an in-place write into one is caught)."""
 
-    def __init__(self, spec: RowSpec):
-        self.spec = spec
-        self.decoded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    def __init__(self, spec: RowSpec, layer: str):
+        self.spec, self.layer = spec, layer
+        self.decoded: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (codes, version)
+
+    def _unchanged(self, assigned=None) -> None:
+        for tensor, (_, version) in list(self.decoded.items()):
+            if tensor._version != version and tensor is not assigned:
+                raise RuntimeError(f"{self.layer} wrote into a state it read, in place: its "
+                                   "states are held as row codes and read as decoded copies, "
+                                   "so the write would be lost; this layer class cannot be "
+                                   "coded (compress with latent_bits=16 to leave it as built)")
 
     def wrap(self, value):
+        self._unchanged(assigned=value)
         if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 2 \
                 and value.numel():
-            known = self.decoded.get(value)
-            return known if known is not None else encode(value, self.spec)
+            codes, version = self.decoded.get(value, (None, None))
+            if version != value._version:  # new, or read and written into since
+                codes = encode(value, self.spec)
+                if version is not None:
+                    self.decoded[value] = codes, value._version
+            return codes
         if type(value) is dict:
             return _CodedDict(self, value)
         return value
 
     def read(self, value):
+        self._unchanged()
         if isinstance(value, RowCodes):
             tensor = value.decode()
-            self.decoded[tensor] = value
+            self.decoded[tensor] = value, tensor._version
             return tensor
         return value
 
@@ -147,9 +166,9 @@ def coded(layer: DynamicLayer, spec: RowSpec) -> DynamicLayer:
     """``layer`` (a fresh layer of a model's own class: :func:`codes_own_states`), its states
     from now on stored as row codes of ``spec``: the same object, of a subclass of its class,
     so the model's ``isinstance`` checks and methods see what they saw before."""
-    states = dict(vars(layer))
-    layer.__class__ = _coded_class(type(layer))
-    object.__setattr__(layer, "_coder", _Coder(spec))
+    states, kind = dict(vars(layer)), type(layer)
+    layer.__class__ = _coded_class(kind)
+    object.__setattr__(layer, "_coder", _Coder(spec, kind.__name__))
     for name, value in states.items():
         setattr(layer, name, value)
     return layer

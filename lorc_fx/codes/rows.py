@@ -69,7 +69,8 @@ class RowCodes:
     def decode(self) -> torch.Tensor:
         half = 1 << (self.bits - 1)
         q = unpack_bits(self.codes, self.bits).to(torch.int32) - half
-        return (q.float() * _power_of_two(self.exponents)[..., None]).reshape(self.shape).to(self.dtype)
+        values = q.float() * _power_of_two(self.exponents)[..., None]
+        return values.reshape(self.shape).to(self.dtype)
 
 
 def _power_of_two(exponents: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ def encode(x: torch.Tensor, spec: RowSpec) -> RowCodes:
     mantissa, exponent = torch.frexp(g.abs().amax(-1) / top)  # amax/top = m·2^e, m in [0.5, 1)
     exponent = exponent - (mantissa == 0.5).int()  # an exact power of two is its own scale
     exponent = exponent.clamp(-126, 127)  # a float32 normal scale (smaller values code to 0)
-    q = torch.round(g / _power_of_two(exponent)[..., None]).clamp(-top, top).to(torch.int32) + (1 << (spec.bits - 1))
+    q = torch.round(g / _power_of_two(exponent)[..., None]).clamp(-top, top) + (top + 1)
     return RowCodes(pack_bits(q.to(torch.uint8), spec.bits), exponent.to(torch.int8), spec.bits,
                     tuple(x.shape), x.dtype)
 

@@ -1,5 +1,6 @@
 """A model's own cache layer classes, coded (lorc_fx.cache.own_layers): every state stored as
 row codes, read back by the layer's own code, never drifting, aliases held once."""
+import pytest
 import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, DynamicLayer,
                                       DynamicSlidingWindowLayer, LinearAttentionLayer)
@@ -68,3 +69,27 @@ def test_a_coded_layer_keeps_its_class_and_registers_nothing():
     layer = coded(WindowWithPending(), SPEC)
     assert isinstance(layer, WindowWithPending) and is_coded(layer)
     assert DYNAMIC_LAYER_TYPE_MAPPING == mapping
+
+
+class WritesInPlace(WindowWithPending):
+    """A layer adding into its window in place, assigning it back or not."""
+
+    def update(self, key_states, value_states, *args, assign=True, **kwargs):
+        if not self.is_initialized:
+            return super().update(key_states, value_states)
+        window = self.keys
+        window[..., -1:, :] += key_states
+        if assign:
+            self.keys = window
+        return window, window
+
+
+def test_an_in_place_write_counts_once_assigned_and_is_refused_otherwise():
+    layer = coded(WritesInPlace(), SPEC)
+    first, added = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 1, 16)
+    layer.update(first, None)
+    window, _ = layer.update(added, None)
+    assert torch.equal(layer.keys, encode(window, SPEC).decode())
+    written, _ = layer.update(added, None, assign=False)  # the caller still holds the copy
+    with pytest.raises(RuntimeError, match="WritesInPlace wrote into a state it read, in place"):
+        layer.keys
