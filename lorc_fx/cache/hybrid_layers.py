@@ -14,9 +14,13 @@ from transformers.cache_utils import (DynamicIndexedLayer, LinearAttentionAndFul
                                      LinearAttentionAndSlidingWindowAttentionLayer,
                                      LinearAttentionLayer)
 
+from lorc_fx.codes import rows
 from lorc_fx.plan.planner import Code
 
 from .layers import LatentCodec, LatentDynamicLayer, LatentSlidingLayer
+
+
+INDEXER_ROWS = rows.RowSpec(8, 64)  # how a coded layer holds its indexer's keys
 
 
 class _BesideLinearState:
@@ -80,10 +84,11 @@ class LatentHybridSlidingLayer(_BesideLinearState, LinearAttentionAndSlidingWind
 
 class LatentIndexedLayer(DynamicIndexedLayer, LatentDynamicLayer):
     """The indexer's keys as transformers keeps them (``update_indexer``) — or, where the
-    layer's keys are coded, as 8-bit codes with one scale per token (DeepSeek-V3.2 itself
-    keeps them in FP8) — and keys and values as latents. ``DynamicIndexedLayer``'s batch
-    operations call ``super()`` for the keys and values, which reaches the latent layer, and
-    act on ``indexer_keys`` whatever it holds: the codes and scales are one tensor."""
+    layer's keys are coded, as row codes (``INDEXER_ROWS``: 8 bits, a power-of-two scale per
+    group of channels; DeepSeek-V3.2 itself keeps them in FP8) — and keys and values as
+    latents. ``DynamicIndexedLayer``'s batch operations call ``super()`` for the keys and
+    values, which reaches the latent layer, and act on ``indexer_keys`` whatever it holds:
+    codes and exponents are one tensor (``rows.packed``)."""
 
     def __init__(self, bases: LatentCodec, k_code: Code = None, v_code: Code = None,
                  logs_rotary: bool = False):
@@ -95,31 +100,16 @@ class LatentIndexedLayer(DynamicIndexedLayer, LatentDynamicLayer):
     def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
         if not (self.codes_indexer and indexer_key_states.is_floating_point()):
             return super().update_indexer(indexer_key_states)
-        coded = _code_rows(indexer_key_states)
+        coded = rows.packed(rows.encode(indexer_key_states, INDEXER_ROWS))
         if not self.is_indexer_initialized:
             self.lazy_initialization_indexer(indexer_key_states)
             self.indexer_keys = coded
         else:
             self.indexer_keys = torch.cat([self.indexer_keys, coded], dim=1)
-        return _decode_rows(self.indexer_keys, indexer_key_states.dtype)
+        return rows.unpacked(self.indexer_keys, INDEXER_ROWS, indexer_key_states.shape[-1],
+                             indexer_key_states.dtype).decode()
 
     def tensors(self) -> list[torch.Tensor]:
         """The latent layer's tensors and the indexer's keys (counted in the cache's bytes)."""
         indexer = [self.indexer_keys] if self.is_indexer_initialized else []
         return [*super().tensors(), *indexer]
-
-
-_SCALE_BYTES = 4  # a float32 scale, stored as 4 int8 after each row's codes
-
-
-def _code_rows(x: torch.Tensor) -> torch.Tensor:
-    """Symmetric 8-bit codes of each row of ``x`` (the last axis), each row followed by
-    its float32 scale's bytes: ``(..., d)`` → ``(..., d + 4)`` int8."""
-    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    codes = torch.round(x.float() / scale).to(torch.int8)
-    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
-
-
-def _decode_rows(coded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    scale = coded[..., -_SCALE_BYTES:].contiguous().view(torch.float32)
-    return (coded[..., :-_SCALE_BYTES].float() * scale).to(dtype)

@@ -96,6 +96,22 @@ def encode(x: torch.Tensor, spec: RowSpec) -> RowCodes:
                     tuple(x.shape), x.dtype)
 
 
+def packed(coded: RowCodes) -> torch.Tensor:
+    """``coded`` as one uint8 tensor ``(..., bytes)``: each row's codes, then its groups'
+    exponents (what a cache's batch operations can act on as one tensor)."""
+    codes = coded.codes.flatten(-2)
+    return torch.cat([codes, coded.exponents.view(torch.uint8)], dim=-1)
+
+
+def unpacked(row_bytes: torch.Tensor, spec: RowSpec, width: int, dtype: torch.dtype) -> RowCodes:
+    """The row codes :func:`packed` wrote for rows of ``width`` values of ``dtype``."""
+    group = spec.group_of(width)
+    groups = width // group
+    codes = row_bytes[..., :-groups].unflatten(-1, (groups, group * spec.bits // 8))
+    exponents = row_bytes[..., -groups:].contiguous().view(torch.int8)
+    return RowCodes(codes, exponents, spec.bits, (*row_bytes.shape[:-1], width), dtype)
+
+
 def nbytes(shape, spec: RowSpec) -> int:
     """Bytes :func:`encode` stores for a tensor of ``shape``."""
     rows, width = math.prod(shape[:-1]), shape[-1]

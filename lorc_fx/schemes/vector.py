@@ -38,7 +38,7 @@ from lorc_fx.plan.sensitivity import ProjectionMoments, Side, calibration_with_g
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.candidates import plain_fits
 from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides
-from lorc_fx.search.context import CALIBRATED_BASES, Candidate, SearchContext
+from lorc_fx.search.context import Candidate, SearchContext, calibrated_basis
 from lorc_fx.search.split import held_out_loss
 
 KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
@@ -75,7 +75,7 @@ class Vector(Scheme):
                                       "fit the budget", math.inf)
         projections = (calibration_with_gradients(search.model, search.blocks,
                                                   search.options.calibration)
-                       if search.options.basis in CALIBRATED_BASES | {"auto"} else None)
+                       if calibrated_basis(search.options.basis) else None)
         resolved, inputs, note = search.prepared(mode)
         plan, loss = vector_candidate(search.model, search.blocks, resolved, inputs, note,
                                       projections)

@@ -22,6 +22,12 @@ from lorc_fx.plan.planner import (LayerInput, Plan, cache_layer_input, layer_inp
 CALIBRATED_BASES = frozenset({"whitened", "attention"})
 
 
+def calibrated_basis(basis: str) -> bool:
+    """Whether planning with ``basis`` measures a basis on calibration text (``auto`` picks
+    the best calibration allows)."""
+    return basis == "auto" or basis in CALIBRATED_BASES
+
+
 @dataclass
 class Candidate:
     """One plan a scheme offers: ``build()`` plans it and measures its held-out loss (``None``

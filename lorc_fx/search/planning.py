@@ -29,7 +29,8 @@ from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.schedules import UnreachableFraction
 
 from .candidates import NEGLIGIBLE_LOSS, best_candidate, candidates, plain_fits
-from .context import CALIBRATED_BASES, SearchContext, bit_choices, group_choices, rope_modes
+from .context import (SearchContext, bit_choices, calibrated_basis, group_choices,
+                      rope_modes)
 from .fraction import bisection_steps, smallest_fraction
 from .split import calibration_loss, held_out_calibration, held_out_loss, held_out_windows
 
@@ -77,8 +78,7 @@ def search_context(model: nn.Module, blocks: list[AttentionBlock], options: Plan
                     "'whitened' (the attention-aware basis has no per-shard form yet)", shards)
         basis = "whitened"
     options = replace(options, shards=shards, basis=basis)
-    calibrates = (basis == "auto" or basis in CALIBRATED_BASES
-                  or options.max_ppl_increase is not None)
+    calibrates = calibrated_basis(basis) or options.max_ppl_increase is not None
     if calibrates or options.budget.in_bits:
         options = replace(options, calibration=usable_calibration(model, options.calibration))
     widths = bit_choices(options.latent_bits, searchable=not options.budget.whole and (

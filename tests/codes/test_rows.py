@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lorc_fx.codes.rows import RowSpec, encode, nbytes
+from lorc_fx.codes.rows import RowSpec, encode, nbytes, packed, unpacked
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,3 +68,16 @@ def test_a_bad_spec_says_what_is_valid():
         RowSpec(3, 16)
     with pytest.raises(ValueError, match="even number of values"):
         RowSpec(8, 7)
+
+
+@pytest.mark.parametrize("bits, width", [(8, 16), (8, 128), (4, 48)])
+def test_packed_rows_are_one_tensor_that_concatenates_and_unpacks(bits, width):
+    """What an indexer's keys are kept as: one byte tensor per row, so a cache concatenates,
+    reorders and selects them as any tensor, and reads back the same values."""
+    spec = RowSpec(bits, 64)
+    a, b = torch.randn(2, 3, 4, width), torch.randn(2, 5, 4, width)
+    joined = torch.cat([packed(encode(a, spec)), packed(encode(b, spec))], dim=1)
+    assert joined.dtype == torch.uint8 and joined.shape[:-1] == (2, 8, 4)
+    back = unpacked(joined.index_select(0, torch.tensor([1, 0])), spec, width, torch.float32)
+    expected = torch.cat([encode(a, spec).decode(), encode(b, spec).decode()], dim=1)[[1, 0]]
+    assert torch.equal(back.decode(), expected)
