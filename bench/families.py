@@ -167,24 +167,25 @@ def generate(model, ids, mask=None, new=NEW):
 
 def kv_bytes(cache) -> int:
     """Bytes of the keys and values a transformers cache holds (and an indexer's keys, which
-    grow with them; and every floating tensor of a cache layer class a model defines for itself, as
-    DeepSeek-V4's compressor states), each tensor once (DeepSeek-V4's values are its keys);
-    a latent cache's own count."""
+    grow with them; and every floating tensor of a cache layer class a model defines for
+    itself, as DeepSeek-V4's compressor states), each tensor once (DeepSeek-V4's values are its
+    keys); a latent cache's own count."""
     if hasattr(cache, "cache_bytes"):
         return cache.cache_bytes()
     import torch
 
     from lorc_fx.cache import codes_own_states
 
-    held = []
-    for layer in getattr(cache, "layers", []):
-        held += [getattr(layer, name, None) for name in ("keys", "values", "indexer_keys")]
-        if codes_own_states(type(layer)):
-            held += [t for v in vars(layer).values()
-                     for t in (v.values() if isinstance(v, dict) else (v,))
-                     if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not hasattr(cache, "layers"):
         held = getattr(cache, "key_cache", []) + getattr(cache, "value_cache", [])
+    else:
+        held = []
+        for layer in cache.layers:
+            held += [getattr(layer, name, None) for name in ("keys", "values", "indexer_keys")]
+            if codes_own_states(type(layer)):
+                held += [t for v in vars(layer).values()
+                         for t in (v.values() if isinstance(v, dict) else (v,))
+                         if isinstance(t, torch.Tensor) and t.is_floating_point()]
     unique = {id(t): t for t in held if isinstance(t, torch.Tensor)}
     return sum(t.numel() * t.element_size() for t in unique.values())
 

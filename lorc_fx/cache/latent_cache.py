@@ -59,8 +59,9 @@ def layers_kept_as_built(config) -> dict[int, str]:
     """The cache layers a :class:`LatentCache` leaves as transformers builds them for this
     model config (linear attention, convolutions, a model's own layer classes, which only a
     plan without the graph codes: ``own_layers``): index → layer type. Layers holding
-    full-attention keys and values (plain, hybrid, indexed) become latent ones and sliding-window (or chunked) layers sliding latent ones
-    (:func:`sliding_windows`), so a plan must count the others full."""
+    full-attention keys and values (plain, hybrid, indexed) become latent ones and
+    sliding-window (or chunked) layers sliding latent ones (:func:`sliding_windows`), so a
+    plan must count the others full."""
     return {i: kind for i, (kind, _) in enumerate(_layer_kinds(config))
             if not replaceable(DYNAMIC_LAYER_TYPE_MAPPING.get(kind))}
 

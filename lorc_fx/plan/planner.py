@@ -148,10 +148,10 @@ def cache_layer_input(layer: int, num_heads: int, num_kv_heads: int, k_head_dim:
     ``own_layer``: the name of the model's own cache layer class there, whose states are coded
     as rows."""
     kind, window = sliding if sliding is not None else ("", None)
-    return LayerInput(own_layer=own_layer,
+    return LayerInput(
         layer=layer, k_weight=None, v_weight=None, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=k_head_dim, rope=RopeLayout(), compress_k=False,
-        compress_v=False, note=f"plain codes only, no low rank: {why}",
+        compress_v=False, note=f"plain codes only, no low rank: {why}", own_layer=own_layer,
         widths=(num_kv_heads * k_head_dim, num_kv_heads * v_head_dim),
         v_head_dim=None if v_head_dim == k_head_dim else v_head_dim,
         sliding_window=window, sliding_kind=kind)
@@ -665,12 +665,15 @@ def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
         sliding = sliding_note(l.sliding_kind, l.sliding_window, True) if l.sliding_window else ""
         note = (l.note if l.kept_as_built or not l.from_graph and not sliding
                 else f"{sliding}; {l.note}" if not l.from_graph else sliding)
-        k_code = QuantSpec.per_channel(bits, group, scales) if kept else None
-        v_code = QuantSpec.per_token(bits, value_token_group(l.v_head_dim or l.head_dim, group),
-                                     scales) if kept else None
-        if l.own_layer:
+        if l.own_layer:  # every state of the layer coded alike
             k_code = v_code = RowSpec(bits, value_token_group(l.head_dim, group))
             note = own_layer_note(l.own_layer, k_code, l.note)
+        elif kept:
+            k_code = QuantSpec.per_channel(bits, group, scales)
+            v_code = QuantSpec.per_token(bits, value_token_group(l.v_head_dim or l.head_dim,
+                                                                 group), scales)
+        else:
+            k_code = v_code = None
         plans.append(LayerPlan(
             layer=l.layer, k_full=len(k_eye), v_full=len(v_eye), k_rank=len(k_eye),
             v_rank=len(v_eye), skipped=l.kept_as_built, kappa_k=kk, kappa_v=kv,
