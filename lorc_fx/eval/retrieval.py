@@ -234,6 +234,36 @@ class _PrefillTee(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+Prefilled = list[tuple[str, object, Plan | None]]  # (name, cache, plan), the full cache first
+
+
+def _prefilled(model: nn.Module, sample: Sample, plans: dict[str, Plan],
+               blocks: list[AttentionBlock]) -> tuple[torch.Tensor, Prefilled]:
+    """The last logits of one forward of ``sample``'s prompt, and the caches it wrote: the
+    full cache (``"full cache"``, plan ``None``) and each plan's latent cache, by name."""
+    if len(sample.input_ids) <= PREFILL_TOKENS:
+        raise ValueError(f"one prefill serves every cache only for prompts of more than "
+                         f"{PREFILL_TOKENS} tokens (a latent cache reads a shorter one back as "
+                         f"stored), not {len(sample.input_ids)}")
+    config = model.config.get_text_config(decoder=True)
+    ids = torch.tensor([sample.input_ids], device=next(model.parameters()).device)
+    tee = _PrefillTee(config, [LatentCache.from_cache(DynamicCache(config=config), p)
+                               for p in plans.values()])
+    with angles_handed(model, blocks, *plans.values()):
+        logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=tee,
+                       use_cache=True).logits[:, -1]
+    caches = dict(zip(plans, tee.latents))
+    tee.latents = []  # the tee decodes on as the full cache
+    return logits, [("full cache", tee, None), *((n, caches[n], p) for n, p in plans.items())]
+
+
+def _step(model: nn.Module, token: torch.Tensor, cache, length: int) -> torch.Tensor:
+    """The last logits after ``token`` (``(1, 1)``) is written to ``cache``, which then
+    holds ``length`` tokens."""
+    mask = torch.ones(1, length, dtype=torch.long, device=token.device)
+    return model(token, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+
+
 @torch.no_grad()
 def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
                             plans: dict[str, Plan], blocks: list[AttentionBlock]
@@ -246,30 +276,40 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
     steps after it (8k tokens: ~1.5 min of a CPU thread, then a few seconds a plan). Batch
     1, no padding; ``blocks``: the model's attention blocks (``analyze``), whose modules hand
     caches logging RoPE angles their angles."""
-    short = [len(s.input_ids) for s in samples if len(s.input_ids) <= PREFILL_TOKENS]
-    if short:
-        raise ValueError(f"one prefill serves every cache only for prompts of more than "
-                         f"{PREFILL_TOKENS} tokens (a latent cache reads a shorter one back as "
-                         f"stored), not {short[0]}")
-    config = model.config.get_text_config(decoder=True)
-    device = next(model.parameters()).device
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     out: dict[str, list[str]] = {name: [] for name in ["full cache", *plans]}
     for s in tqdm(samples, desc="one prefill, every cache", leave=False):
-        ids = torch.tensor([s.input_ids], device=device)
-        tee = _PrefillTee(config, [LatentCache.from_cache(DynamicCache(config=config), p)
-                                   for p in plans.values()])
-        with angles_handed(model, blocks, *plans.values()):
-            logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=tee,
-                           use_cache=True).logits[:, -1]
-        caches = dict(zip(plans, tee.latents))
-        tee.latents = []  # the tee decodes on as the full cache
-        for name, cache, plan in [("full cache", tee, None),
-                                  *((n, caches[n], p) for n, p in plans.items())]:
+        logits, caches = _prefilled(model, s, plans, blocks)
+        for name, cache, plan in caches:
             with angles_handed(model, blocks, plan):
-                new = _greedy_steps(model, logits, cache, ids.shape[1], eos)
+                new = _greedy_steps(model, logits, cache, len(s.input_ids), eos)
             out[name].append(tokenizer.decode(new))
+    return out
+
+
+@torch.no_grad()
+def answer_logprobs_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
+                                    plans: dict[str, Plan], blocks: list[AttentionBlock]
+                                    ) -> dict[str, list[float]]:
+    """The log-probability (nats) of each prompt's answer as its text continues the prompt
+    (``" " + answer``), its tokens fed one at a time through the full cache (``"full
+    cache"``) and each plan's, one prefill a prompt for all (as
+    :func:`answers_sharing_prefill`). A graded score where accuracy is a coin: it moves
+    with a cache's errors before they flip an answer, so fewer prompts tell caches apart."""
+    out: dict[str, list[float]] = {name: [] for name in ["full cache", *plans]}
+    for s in tqdm(samples, desc="one prefill, every cache", leave=False):
+        answer = tokenizer(" " + s.answer, add_special_tokens=False).input_ids
+        first, caches = _prefilled(model, s, plans, blocks)
+        for name, cache, plan in caches:
+            logits, total = first, 0.0
+            with angles_handed(model, blocks, plan):
+                for i, token in enumerate(answer):
+                    total += float(logits[0].float().log_softmax(-1)[token])
+                    if i + 1 < len(answer):
+                        logits = _step(model, torch.tensor([[token]], device=logits.device),
+                                       cache, len(s.input_ids) + i + 1)
+            out[name].append(total)
     return out
 
 
@@ -284,9 +324,7 @@ def _greedy_steps(model: nn.Module, logits: torch.Tensor, cache, prompt: int,
         token = logits.argmax(-1, keepdim=True)
         new.append(int(token))
         if step + 1 < NEW_TOKENS:
-            mask = torch.ones(1, prompt + step + 1, dtype=torch.long, device=token.device)
-            logits = model(token, attention_mask=mask, past_key_values=cache,
-                           use_cache=True).logits[:, -1]
+            logits = _step(model, token, cache, prompt + step + 1)
     return new
 
 

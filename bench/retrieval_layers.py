@@ -1,0 +1,112 @@
+"""Which layers' codes cost retrieval: a plan's cache coded one layer at a time.
+
+    python bench/retrieval_layers.py --plan PLAN [--task multikey] [--length 1k]
+        [--trials 24] [--seed 7] [--shard K/N] [--merge A.json,...] [--out PREFIX]
+
+For each prompt, one forward writes the full cache and caches of variants of the saved plan
+(``--plan``): every layer coded (the plan), none coded (each layer's latents kept as floats
+at the plan's ranks), and every layer but one left uncoded. Each then reads the answer's
+tokens one at a time (``retrieval.answer_logprobs_sharing_prefill``), and the table gives per
+layer the mean change of the answer's log-probability when only that layer is coded, and
+its mean absolute change (what moves the answer either way), against no layer coded.
+Greedy accuracy is ``bench/retrieval.py``'s; the log-probability moves before an answer
+flips, so two dozen prompts tell layers apart.
+
+The default seed (7) is none of the evaluation's (``bench/retrieval.py`` reports seeds 0
+and 1): what this shows may guide a plan without tuning it on the prompts it is judged by.
+``--shard K/N`` runs every N-th prompt from the K-th (one process a core, each its own
+``--out``); ``--merge`` of the shards' JSON files writes the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import lorc_fx
+from lorc_fx.data.models import load_tokenizer
+from lorc_fx.eval.retrieval import (TASKS, answer_logprobs_sharing_prefill, make_samples,
+                                    parse_lengths)
+from lorc_fx.plan.planner import Plan
+
+
+def coded_only(plan: Plan, layers: set[int]) -> Plan:
+    """``plan`` with the codes of every layer not in ``layers`` (their positions in
+    ``plan.layers``) taken off: those layers keep their latents as floats."""
+    return replace(plan, layers=[l if i in layers else replace(l, k_code=None, v_code=None)
+                                 for i, l in enumerate(plan.layers)])
+
+
+def variants(plan: Plan) -> dict[str, Plan]:
+    coded = [i for i, l in enumerate(plan.layers) if l.k_code is not None or l.v_code is not None]
+    return {"every layer": plan, "no layer": coded_only(plan, set()),
+            **{f"layer {plan.layers[i].layer}": coded_only(plan, {i}) for i in coded}}
+
+
+def table(scores: dict[str, list[float]]) -> list[str]:
+    """Markdown rows: per variant the mean answer log-probability and, against no layer
+    coded, its mean change and mean absolute change, per prompt."""
+    base = scores["no layer"]
+    rows = ["| cache | mean answer log-probability | mean change against no layer coded "
+            "| mean absolute change |", "|---|---|---|---|"]
+    for name, values in scores.items():
+        change = [v - b for v, b in zip(values, base, strict=True)]
+        rows.append(f"| {name} | {statistics.mean(values):.3f} | {statistics.mean(change):+.3f} "
+                    f"| {statistics.mean(map(abs, change)):.3f} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", required=True, help="a saved plan (report.save)")
+    ap.add_argument("--task", default="multikey", choices=TASKS)
+    ap.add_argument("--length", default="1k")
+    ap.add_argument("--trials", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--shard", default="0/1", help="K/N: the prompts whose index is K modulo N")
+    ap.add_argument("--merge", default="", help="other shards' OUT.json, comma-separated")
+    ap.add_argument("--out", default="bench/results/retrieval_layers-cpu")
+    args = ap.parse_args()
+    k, n = map(int, args.shard.split("/"))
+    (length,) = parse_lengths(args.length)
+
+    model = lorc_fx.load_model("default")
+    tok = load_tokenizer()
+    plan = lorc_fx.compress(model, plan=args.plan).plan
+    blocks = lorc_fx.analyze(model)
+    samples = make_samples(tok, args.task, length, args.trials, args.seed)
+    mine = [i for i in range(len(samples)) if i % n == k]
+    scores = answer_logprobs_sharing_prefill(model, tok, [samples[i] for i in mine],
+                                             variants(plan), blocks)
+    per_prompt = {str(i): {name: values[j] for name, values in scores.items()}
+                  for j, i in enumerate(mine)}
+    for other in filter(None, args.merge.split(",")):
+        per_prompt.update(json.loads(Path(other).read_text())["prompts"])
+    settings = {"plan": args.plan, "task": args.task, "length": length, "trials": args.trials,
+                "seed": args.seed, "bits_per_value": plan.bits_per_value}
+    machine = (f"{platform.machine()}, {torch.get_num_threads()} thread(s), "
+               f"torch {torch.__version__}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"settings": settings, "machine": machine, "prompts": per_prompt}, indent=1))
+    if len(per_prompt) < len(samples):
+        print(f"{len(per_prompt)} of {len(samples)} prompts: merge the other shards")
+        return
+    names = next(iter(per_prompt.values())).keys()
+    merged = {name: [per_prompt[str(i)][name] for i in range(len(samples))] for name in names}
+    lines = [f"Answer log-probabilities through a plan's cache coded one layer at a time "
+             f"(`bench/retrieval_layers.py`): {args.task}, {length} tokens, {args.trials} "
+             f"prompts of seed {args.seed}, plan {Path(args.plan).name} "
+             f"({plan.bits_per_value:.3f} bits per value); {machine}.", "", *table(merged)]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
