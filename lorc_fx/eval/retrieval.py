@@ -300,15 +300,15 @@ def answer_logprobs_sharing_prefill(model: nn.Module, tokenizer, samples: list[S
     out: dict[str, list[float]] = {name: [] for name in ["full cache", *plans]}
     for s in tqdm(samples, desc="one prefill, every cache", leave=False):
         answer = tokenizer(" " + s.answer, add_special_tokens=False).input_ids
-        first, caches = _prefilled(model, s, plans, blocks)
+        logits, caches = _prefilled(model, s, plans, blocks)
+        first = float(logits[0].float().log_softmax(-1)[answer[0]])  # the prefill's: every cache's
         for name, cache, plan in caches:
-            logits, total = first, 0.0
+            total = first
             with angles_handed(model, blocks, plan):
-                for i, token in enumerate(answer):
-                    total += float(logits[0].float().log_softmax(-1)[token])
-                    if i + 1 < len(answer):
-                        logits = _step(model, torch.tensor([[token]], device=logits.device),
-                                       cache, len(s.input_ids) + i + 1)
+                for i, token in enumerate(answer[:-1]):
+                    logits = _step(model, torch.tensor([[token]], device=logits.device), cache,
+                                   len(s.input_ids) + i + 1)
+                    total += float(logits[0].float().log_softmax(-1)[answer[i + 1]])
             out[name].append(total)
     return out
 
