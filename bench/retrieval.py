@@ -48,9 +48,9 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import lorc_fx  # noqa: E402
-from lorc_fx.eval.retrieval import (HELD_OUT, NEW_TOKENS, TASKS, Accuracy, accuracy,  # noqa: E402
-                                    answers, answers_sharing_prefill, make_samples,
-                                    parse_lengths, same_answer)
+from lorc_fx.data.retrieval_tasks import HELD_OUT, NEW_TOKENS, TASKS, make_samples  # noqa: E402
+from lorc_fx.eval.retrieval import (Accuracy, accuracy, answers,  # noqa: E402
+                                    answers_sharing_prefill, parse_lengths, same_answer)
 
 QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
 

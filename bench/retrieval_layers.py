@@ -5,8 +5,10 @@
 
 For each prompt, one forward writes the full cache and caches of variants of the saved plan
 (``--plan``): every layer coded (the plan), none coded (each layer's latents kept as floats
-at the plan's ranks), and every layer but one left uncoded. Each then reads the answer's
-tokens one at a time (``retrieval.answer_logprobs_sharing_prefill``), and the table gives per
+at the plan's ranks), and every layer but one left uncoded (``search.retrieval_probe``, what
+the planner measures on prompts of its own seed). Each then reads the answer's tokens
+(``search.one_prefill.answer_logprobs``; the results of 2026-11-28 read them one step at a
+time, which the tests show the same), and the table gives per
 layer the mean change of the answer's log-probability when only that layer is coded, and
 its mean absolute change (what moves the answer either way), against no layer coded.
 Greedy accuracy is ``bench/retrieval.py``'s; the log-probability moves before an answer
@@ -23,35 +25,27 @@ import argparse
 import json
 import platform
 import statistics
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import lorc_fx
 from lorc_fx.data.models import load_tokenizer
-from lorc_fx.eval.retrieval import (TASKS, answer_logprobs_sharing_prefill, make_samples,
-                                    parse_lengths)
-from lorc_fx.plan.planner import Plan
+from lorc_fx.data.retrieval_tasks import TASKS, make_samples
+from lorc_fx.eval.retrieval import parse_lengths
+from lorc_fx.search.one_prefill import answer_logprobs
+from lorc_fx.search.retrieval_probe import NONE_CODED, one_layer_coded
 
 
-def coded_only(plan: Plan, layers: set[int]) -> Plan:
-    """``plan`` with the codes of every layer not in ``layers`` (their positions in
-    ``plan.layers``) taken off: those layers keep their latents as floats."""
-    return replace(plan, layers=[l if i in layers else replace(l, k_code=None, v_code=None)
-                                 for i, l in enumerate(plan.layers)])
-
-
-def variants(plan: Plan) -> dict[str, Plan]:
-    coded = [i for i, l in enumerate(plan.layers) if l.k_code is not None or l.v_code is not None]
-    return {"every layer": plan, "no layer": coded_only(plan, set()),
-            **{f"layer {plan.layers[i].layer}": coded_only(plan, {i}) for i in coded}}
+def variants(plan):
+    """The plan (every layer coded), then no layer coded and each layer coded alone."""
+    return {"every layer": plan, **one_layer_coded(plan)}
 
 
 def table(scores: dict[str, list[float]]) -> list[str]:
     """Markdown rows: per variant the mean answer log-probability and, against no layer
     coded, its mean change and mean absolute change, per prompt."""
-    base = scores["no layer"]
+    base = scores[NONE_CODED]
     rows = ["| cache | mean answer log-probability | mean change against no layer coded "
             "| mean absolute change |", "|---|---|---|---|"]
     for name, values in scores.items():
@@ -81,8 +75,9 @@ def main() -> None:
     blocks = lorc_fx.analyze(model)
     samples = make_samples(tok, args.task, length, args.trials, args.seed)
     mine = [i for i in range(len(samples)) if i % n == k]
-    scores = answer_logprobs_sharing_prefill(model, tok, [samples[i] for i in mine],
-                                             variants(plan), blocks)
+    prompts = [(samples[i].input_ids,
+                tok(" " + samples[i].answer, add_special_tokens=False).input_ids) for i in mine]
+    scores = answer_logprobs(model, prompts, variants(plan), blocks)
     per_prompt = {str(i): {name: values[j] for name, values in scores.items()}
                   for j, i in enumerate(mine)}
     for other in filter(None, args.merge.split(",")):

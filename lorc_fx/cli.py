@@ -9,8 +9,8 @@ import time
 from dataclasses import MISSING, fields
 
 from lorc_fx.eval.evaluate import DECODE_AFTER
-from lorc_fx.eval.retrieval import (HELD_OUT, MIN_LENGTH, TASKS, RetrievalOptions,
-                                    parse_lengths)
+from lorc_fx.data.retrieval_tasks import HELD_OUT, MIN_LENGTH, TASKS
+from lorc_fx.eval.retrieval import RetrievalOptions, parse_lengths
 from lorc_fx.plan.options import BUDGET_FIELDS, CalibrationOptions, PlanOptions
 
 _SHOW_DEFAULTS = argparse.ArgumentDefaultsHelpFormatter

@@ -37,6 +37,10 @@ STORED_FLOAT_BITS = 16  # what a stored float counts in bits per value (dtype-in
 SCALE_BITS = 16
 DEFAULT_FRACTION = 0.6  # the budget where none is given
 BUDGET_FIELDS = ("cache_fraction", "bits_per_value", "max_ppl_increase")  # one says the budget
+# vector codes: how much more the channels of the layers retrieval leans on weigh in the bit
+# allocation (``search.retrieval_probe``); chosen on multikey prompts of one seed, judged on
+# others (docs/results.md)
+RETRIEVAL_WEIGHT = 16.0
 MAX_PPL_INCREASE = 10.0  # a target above ×11 perplexity is a typo, not a quality target
 # the calibration text sampled from the model itself (``calibration.self_generated_windows``)
 SELF_TEXT = "self"
@@ -212,6 +216,14 @@ class PlanOptions:
         "quality", "what --rope auto optimises: quality (held-out loss) | speed (only commute, "
         "whose keys decode reads without rebuilding them; reconstruct rebuilds them every "
         "step, so decodes slower at long context)", _one_of("objective", OBJECTIVES))
+    retrieval_weight: float = option(
+        RETRIEVAL_WEIGHT, "vector codes: how many times more the latent channels of the layers "
+        "retrieval leans on weigh in the bit allocation (those whose codes alone move the "
+        "answers of multikey prompts most, measured by the planner), or its square root "
+        "where that costs more than 0.02 nats of held-out loss, or none where both do; "
+        ">= 1, 1: no layer favoured and no probe run",
+        lambda x: None if _number(x) and x >= 1
+        else f"retrieval_weight must be a number >= 1, got {x!r}", float)
     # latents stored as latent_bits-bit codes, per channel over groups of latent_group tokens;
     # 16: not quantized; auto: the storage scheme and its width measured (``lorc_fx.search``)
     latent_bits: int | str = option(

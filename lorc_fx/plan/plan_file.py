@@ -185,6 +185,7 @@ def _options(data: dict) -> PlanOptions:
     calibration["texts"] = tuple(calibration["texts"])
     if data.get("bits_per_value") is not None:  # up to version 5 both were always set
         data["cache_fraction"] = None
+    data.setdefault("retrieval_weight", 1.0)  # plans before it weighed no layer up
     return PlanOptions(**data, calibration=CalibrationOptions(**calibration))
 
 

@@ -15,6 +15,12 @@ the energies, 0.40-0.45 under the sensitivities at 1.92-3 bits, in the run behin
 bench/results/bits_pareto-cpu.md, which logs each at INFO); the sensitivities' best had the
 lower held-out loss there at every budget, by 0.002-0.007 nats, small enough that the
 energies stay a candidate.
+
+Then the layers retrieval leans on (``search.retrieval_probe``: those whose codes alone move
+multikey answers most) weigh ``PlanOptions.retrieval_weight`` (16) times more, at the weights
+and share chosen, or its square root where that costs over ``RETRIEVAL_COST`` of held-out
+loss: coded like the rest they lose keys the full cache finds, at a cost the selection above
+would never pay (docs/results.md, "The planner finds them").
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from torch import nn
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.codes.vector import VectorBook, select
-from lorc_fx.plan.calibration import calibration_tokenizer, calibration_windows
+from lorc_fx.plan.calibration import (CalibrationUnavailable, calibration_tokenizer,
+                                      calibration_windows, model_tokenizer)
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
                                   value_energies)
@@ -39,9 +46,13 @@ from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.candidates import plain_fits
 from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides
 from lorc_fx.search.context import Candidate, SearchContext, calibrated_basis
+from lorc_fx.search.retrieval_probe import layer_damage, probe_length, retrieval_layers
 from lorc_fx.search.split import held_out_loss
 
 KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
+# what favouring the layers retrieval leans on may cost in held-out loss (nats): ×16 cost
+# 0.010 at 2.56 bits and 0.035 at 1.92, where the plan decoded news at ×1.108 (docs/results.md)
+RETRIEVAL_COST = 0.02
 
 log = logging.getLogger(__name__)
 
@@ -147,11 +158,13 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
                 books: dict[Side, dict[float, VectorBook]],
                 rho: dict[Side, dict[float, torch.Tensor]], key_share: float,
                 weights: dict[Side, torch.Tensor] | None = None,
-                tuple_dims: int = TUPLE_DIMS) -> Plan:
+                favoured: dict[int, str] | None = None, tuple_dims: int = TUPLE_DIMS) -> Plan:
     """The vector plan at ``options``' budget from ``full`` (full rank, its basis rows in the
     order of the energies of ``inputs``) with ``books`` and their errors ``rho``, each
     channel's relative error weighed by ``weights`` (``plan.sensitivity``; ``None``: the
-    spectra's energies)."""
+    spectra's energies), ``options.retrieval_weight`` times more in the ``favoured`` layers
+    (layer -> why, which their plans' notes say)."""
+    favoured = favoured or {}
     sides = coded_sides(full)
     keys = [s for s in sides if s[1] == "k"]
     values = [s for s in sides if s[1] == "v"]
@@ -161,9 +174,9 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
     k_energy, v_energy = key_energies(inputs, options), value_energies(inputs)
 
     def weight(side: Side) -> torch.Tensor:
-        if weights is not None:
-            return weights[side]
-        return (k_energy if side[1] == "k" else v_energy)[index[side[0]]]
+        w = weights[side] if weights is not None else \
+            (k_energy if side[1] == "k" else v_energy)[index[side[0]]]
+        return w * options.retrieval_weight if side[0] in favoured else w
 
     k_bits, v_bits = vector_bits([weight(s) for s in keys], [weight(s) for s in values],
                                  [rho[s] for s in keys], [rho[s] for s in values],
@@ -173,6 +186,12 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
         i = index[layer]
         energy = (k_energy if side == "k" else v_energy)[i]
         layers[i] = _coded(layers[i], side, bits, books[layer, side], energy, tuple_dims)
+    for layer, why in favoured.items():
+        if (layer, "k") not in sides and (layer, "v") not in sides:
+            continue
+        i = index[layer]
+        why = f"weighed ×{options.retrieval_weight:g} for retrieval ({why})"
+        layers[i] = replace(layers[i], note=f"{layers[i].note}; {why}" if layers[i].note else why)
     plan = replace(full, layers=layers, options=options, scheme=VECTOR)
     size = options.budget.of(plan)
     plan.reachable = (size, size)
@@ -182,10 +201,13 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
 def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
                      inputs: list[LayerInput], note: str,
                      projections: ProjectionMoments | None = None) -> tuple[Plan, float]:
-    """The vector plan at ``options``' budget (``options.rope`` resolved to one mode, its basis to the one ``inputs`` carry) with the least held-out loss over the channels'
+    """The vector plan at ``options``' budget (``options.rope`` resolved to one mode, its
+    basis to the one ``inputs`` carry) with the least held-out loss over the channels'
     weights (the spectra's energies, the loss's sensitivities where measurable) and the keys'
-    share of ``KEY_SHARES``, and that loss (``projections``: what a first calibration
-    measured for the sensitivities, :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
+    share of ``KEY_SHARES``, then the layers retrieval leans on favoured at those weights
+    and share (:func:`retrieval_favoured`), and its loss (``projections``: what a first
+    calibration measured for the sensitivities,
+    :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
     calibration = options.calibration
@@ -193,9 +215,10 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     books, rho, sensitivities = books_and_sensitivities(model, blocks, full, windows,
                                                         projections)
     measured: dict[tuple[str, float], tuple[float, Plan]] = {}
+    weighed = {"the loss's sensitivities": sensitivities, "the spectra's energies": None}
 
-    def loss_at(name: str, weights: dict[Side, torch.Tensor] | None, share: float) -> float:
-        plan = vector_plan(full, inputs, options, books, rho, share, weights)
+    def loss_at(name: str, share: float) -> float:
+        plan = vector_plan(full, inputs, options, books, rho, share, weighed[name])
         loss = held_out_loss(model, blocks, plan)
         log.info("vector codes, channels weighed by %s, keys' share %.2f: held-out loss %.4f",
                  name, share, loss)
@@ -204,14 +227,78 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
 
     energies = "the spectra's energies"
     if sensitivities is None:
-        least_over_shares(lambda share: loss_at(energies, None, share))
+        least_over_shares(lambda share: loss_at(energies, share))
     else:  # the energies at the sensitivities' share only: their best lost at every budget
-        share = least_over_shares(
-            lambda share: loss_at("the loss's sensitivities", sensitivities, share))
-        loss_at(energies, None, share)
-    loss, plan = min(measured.values(), key=lambda lp: lp[0])
+        share = least_over_shares(lambda share: loss_at("the loss's sensitivities", share))
+        loss_at(energies, share)
+    (name, share), (loss, plan) = min(measured.items(), key=lambda item: item[1][0])
+
+    def favouring(weight: float, favoured: dict[int, str]) -> tuple[Plan, float]:
+        at = replace(options, retrieval_weight=weight)
+        plan = vector_plan(full, inputs, at, books, rho, share, weighed[name], favoured)
+        return plan, held_out_loss(model, blocks, plan)
+
+    plan, loss = favour_retrieval(model, blocks, options, plan, loss, favouring)
     plan.basis_note = note
     return plan, loss
+
+
+def favour_retrieval(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                     plan: Plan, loss: float,
+                     favouring: Callable[[float, dict[int, str]], tuple[Plan, float]]
+                     ) -> tuple[Plan, float]:
+    """``plan`` (of held-out ``loss``) with the layers retrieval leans on weighed more
+    (``favouring(weight, layers)``: the plan and its loss), at ``options.retrieval_weight``,
+    else at its square root, whichever first costs at most ``RETRIEVAL_COST`` nats of
+    held-out loss; ``plan`` itself (its ``retrieval_weight`` 1) where no layer stands out or
+    both cost more. Not chosen by the loss: it would never pay what retrieval needs."""
+    favoured = retrieval_favoured(model, blocks, options, plan)
+    if favoured:
+        tried = (options.retrieval_weight, options.retrieval_weight ** 0.5)
+        for weight in tried:
+            favouring_plan, favouring_loss = favouring(weight, favoured)
+            cost = favouring_loss - loss
+            log.info("vector codes: layers %s weighed ×%g for retrieval: held-out loss %.4f "
+                     "(%+.4f)", ", ".join(map(str, favoured)), weight, favouring_loss, cost)
+            if cost <= RETRIEVAL_COST:
+                return favouring_plan, favouring_loss
+        log.warning("lorc_fx: vector codes favour no layer for retrieval: weighing layers %s "
+                    "×%g or ×%g costs more than %g nats of held-out loss",
+                    ", ".join(map(str, favoured)), *tried, RETRIEVAL_COST)
+    return replace(plan, options=replace(plan.options, retrieval_weight=1.0)), loss
+
+
+def retrieval_favoured(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
+                       plan: Plan) -> dict[int, str]:
+    """The layers of ``plan`` whose codes alone move retrieval answers most
+    (``search.retrieval_probe``), each with what its plan's note says of it; none where
+    ``options.retrieval_weight`` is 1, or where the model has no tokenizer or too short a
+    context for the probe's prompts (said)."""
+    if options.retrieval_weight == 1:
+        return {}
+    length = probe_length(model)
+    tokenizer = _tokenizer(model)
+    if length is None or tokenizer is None:
+        log.warning("lorc_fx: vector codes favour no layer for retrieval: the model has %s",
+                    "no tokenizer" if tokenizer is None else "too short a context for the "
+                    "probe's prompts")
+        return {}
+    damage = layer_damage(model, tokenizer, blocks, plan, length)
+    favoured = retrieval_layers(damage)
+    mean = sum(damage.values()) / len(damage) if damage else 0.0
+    log.info("vector codes: layers %s move multikey answers most when coded alone (%s nats, "
+             "mean %.3f)", ", ".join(map(str, favoured)) or "none",
+             ", ".join(f"{damage[l]:.3f}" for l in favoured), mean)
+    return {l: f"coded alone it moves multikey answers by {damage[l]:.3f} nats, the mean layer "
+               f"{mean:.3f}" for l in favoured}
+
+
+def _tokenizer(model: nn.Module):
+    """The model's tokenizer, or ``None`` where it has none."""
+    try:
+        return model_tokenizer(model)
+    except CalibrationUnavailable:
+        return None
 
 
 def least_over_shares(loss_at: Callable[[float], float]) -> float:

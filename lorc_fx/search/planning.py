@@ -168,7 +168,8 @@ def _announce_first_plan(search: SearchContext, plain_first: bool) -> Path | Non
             and not plain_fits(search, _coded_widths(search)[0]):
         low_rank = ("attention statistics of reconstruct RoPE mode, then codebooks of vector "
                     "codes for every layer's keys and values and the loss's sensitivity to "
-                    "each of their latent channels")
+                    "each of their latent channels, then which layers retrieval leans on "
+                    "(multikey prompts, one layer coded at a time)")
     steps = ["sampling text from the model"] if SELF_TEXT in options.calibration.texts else []
     if plain_first:
         steps.append("measuring plain 8- and 4-bit KV quantization on held-out windows of it, "

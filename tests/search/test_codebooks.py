@@ -111,3 +111,62 @@ def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
     first, second = bits(0), bits(1)
     for side in ("k", "v"):
         assert first[0, side] > first[1, side] and second[1, side] > second[0, side]
+
+
+def test_layers_favoured_for_retrieval_get_more_bits_and_say_why():
+    """The same books, errors and weights: the layer favoured for retrieval gets more bits a
+    token on both sides than unfavoured, the other fewer, within the same budget, and its plan
+    says why; ``retrieval_weight=1`` favours nothing."""
+    inputs = random_layers(0, n_layers=2)
+    full = plan_layers(inputs, PlanOptions(1.0, "uniform", "reconstruct"))
+    gen = torch.Generator().manual_seed(0)
+    sides = codebooks.coded_sides(full)
+    samples = {side: torch.randn(400, 16, generator=gen) for side in sides}
+    books, rho = codebooks.fit_books(samples, widths=(1, 2, 4), iters=2)
+    weights = {side: torch.ones(16, dtype=torch.float64) for side in sides}
+
+    def planned(weight: float, favoured: dict):
+        options = PlanOptions.of(full.options, bits_per_value=3.0, retrieval_weight=weight)
+        plan = vector_plan(full, inputs, options, books, rho, 0.5, weights, favoured)
+        assert plan.bits_per_value <= 3.0 + 1e-9
+        return plan, {(l.layer, s): getattr(l, f"{s}_code").spec.bits_per_token()
+                      if getattr(l, f"{s}_code") is not None else 0.0
+                      for l in plan.layers for s in ("k", "v")}
+
+    plain, before = planned(16.0, {})
+    favoured, after = planned(16.0, {1: "retrieves"})
+    for side in ("k", "v"):
+        assert after[1, side] > before[1, side] and after[0, side] < before[0, side]
+    assert favoured.layers[1].note == "weighed ×16 for retrieval (retrieves)"
+    assert favoured.layers[0].note == ""
+    assert planned(1.0, {1: "retrieves"})[1] == before
+
+
+def test_retrieval_is_favoured_at_the_first_weight_within_its_cost(monkeypatch, caplog):
+    """×16, else ×4, whichever first costs at most ``RETRIEVAL_COST`` of held-out loss; the
+    plan unfavoured (its ``retrieval_weight`` 1), said, where both cost more."""
+    from lorc_fx.schemes import vector
+
+    monkeypatch.setattr(vector, "retrieval_favoured", lambda *args: {1: "retrieves"})
+    plan = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
+    options = PlanOptions(bits_per_value=2.0)
+    assert options.retrieval_weight == 16
+
+    def favour(costs: dict[float, float]):
+        tried = []
+
+        def favouring(weight, favoured):
+            tried.append(weight)
+            return replace(plan, rotary_log=int(weight)), 2.5 + costs[weight]
+        chosen, loss = vector.favour_retrieval(None, [], options, plan, 2.5, favouring)
+        return chosen, loss, tried
+
+    chosen, loss, tried = favour({16: 0.01})
+    assert (chosen.rotary_log, loss, tried) == (16, 2.51, [16])
+    chosen, loss, tried = favour({16: 0.035, 4: 0.011})
+    assert (chosen.rotary_log, loss, tried) == (4, 2.511, [16, 4])
+    with caplog.at_level(logging.WARNING, logger="lorc_fx"):
+        chosen, loss, tried = favour({16: 0.05, 4: 0.03})
+    assert (chosen.rotary_log, loss, tried) == (plan.rotary_log, 2.5, [16, 4])
+    assert chosen.options.retrieval_weight == 1
+    assert any("favour no layer for retrieval" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,139 @@
+"""Synthetic long-context retrieval prompts, generated offline and seeded (no file, no network).
+
+- ``passkey``: one five-digit pass key hidden at a depth of filler text;
+- ``multikey``: several named pass keys; the one asked sits at the depth, the others
+  (distractors) at random depths;
+- ``vartrack``: variable tracking over two hops (``VAR A = 12345`` at the depth, ``VAR B = A``
+  later, a second chain beside them as distractor); the value of ``B`` is asked.
+
+The filler is the passkey test's noise sentences repeated (``NOISE``); keys, names and the
+distractors' depths are drawn per prompt from the seed. A prompt is sized with the model's
+tokenizer so that it and its answer fit ``length`` tokens; each trial places the needle at
+the next of ``depths``.
+
+``lorc_fx.eval.retrieval`` scores caches on them; the planner's retrieval probe
+(``search.retrieval_probe``) reads prompts of its own seed, never an evaluation's, and never
+of ``HELD_OUT``, the family kept apart to report.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+TASKS = ("passkey", "multikey", "vartrack")
+HELD_OUT = "vartrack"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where the needle sits, as a share of the filler
+NEW_TOKENS = 8  # generated per prompt: a five-digit answer in any tokenizer, and a margin
+MIN_LENGTH = 64
+DISTRACTORS = 3  # multikey: keys besides the one asked
+
+HEADER = ("A long text follows. Hidden in it are facts to remember; a question about them "
+          "comes at the end.\n\n")
+# the haystack of the passkey test (Mohtashami & Jaggi, 2023; RULER's "noise"), repeated: no
+# fact in it, nothing a question could be mistaken for
+NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+         "There and back again.")
+_ADJECTIVES = ("red", "blue", "green", "silver", "golden", "black", "white", "amber")
+_NOUNS = ("heron", "falcon", "otter", "fox", "badger", "lynx", "raven", "salmon", "wolf",
+          "hare")
+
+
+@dataclass
+class Sample:
+    """One prompt of a task: its text and ids, the answer, and where the needle sits."""
+    task: str
+    length: int
+    depth: float
+    prompt: str
+    input_ids: list[int]
+    answer: str
+    needle_char: int  # where the needle (the asked key, or the chain's first step) begins
+
+
+def _filler(count: int) -> list[str]:
+    return [NOISE[i % len(NOISE)] for i in range(count)]
+
+
+def _number(rng: random.Random, taken: set[str]) -> str:
+    while (n := str(rng.randrange(10_000, 100_000))) in taken:
+        pass
+    taken.add(n)
+    return n
+
+
+def _facts(task: str, depth: float, rng: random.Random) -> tuple[list[tuple[float, str]], str, str]:
+    """The facts to hide as ``(depth, sentence)`` (the needle first), the question, and the
+    answer."""
+    taken: set[str] = set()
+    if task == "passkey":
+        key = _number(rng, taken)
+        return ([(depth, f"The pass key is {key}. Remember it. {key} is the pass key.")],
+                "What is the pass key? The pass key is", key)
+    if task == "multikey":
+        names = rng.sample([f"{a} {n}" for a in _ADJECTIVES for n in _NOUNS], DISTRACTORS + 1)
+        keys = [_number(rng, taken) for _ in names]
+        facts = [(depth if i == 0 else rng.random(), f"The pass key of the {name} is {key}.")
+                 for i, (name, key) in enumerate(zip(names, keys))]
+        return facts, f"What is the pass key of the {names[0]}? The pass key of the " \
+                      f"{names[0]} is", keys[0]
+    names: list[str] = []
+    while len(names) < 4:
+        name = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5))
+        names += [] if name in names else [name]
+    a, b, c, d = names
+    value, other = _number(rng, taken), _number(rng, taken)
+    second, third = rng.random(), rng.random()
+    facts = [(depth, f"VAR {a} = {value}."),
+             (depth + (1 - depth) * rng.random(), f"VAR {b} = {a}."),
+             (min(second, third), f"VAR {c} = {other}."),
+             (max(second, third), f"VAR {d} = {c}.")]
+    return facts, f"What is the value of VAR {b}? The value of VAR {b} is", value
+
+
+def _assemble(filler: list[str], facts: list[tuple[float, str]], question: str
+              ) -> tuple[str, int]:
+    """The prompt with each fact after ``round(depth * len(filler))`` filler sentences, and
+    the character where the first fact begins."""
+    slots: dict[int, list[int]] = {}
+    for i, (depth, _) in enumerate(facts):
+        slots.setdefault(round(depth * len(filler)), []).append(i)
+    parts, needle = [HEADER], 0
+    for at in range(len(filler) + 1):
+        for i in slots.get(at, []):
+            if i == 0:
+                needle = sum(map(len, parts))
+            parts.append(facts[i][1] + " ")
+        if at < len(filler):
+            parts.append(filler[at] + " ")
+    return "".join(parts) + "\n\n" + question, needle
+
+
+def make_sample(tokenizer, task: str, length: int, depth: float, seed) -> Sample:
+    """One prompt of ``task`` whose ids and ``NEW_TOKENS`` answer tokens fit ``length``
+    tokens, with as much filler as fits (found by bisection: tokenizers do not add up)."""
+    rng = random.Random(f"{task}:{seed}")
+    facts, question, answer = _facts(task, depth, rng)
+    budget = length - NEW_TOKENS
+    filler = _filler(budget)  # each sentence is at least one token
+
+    def build(count: int) -> tuple[str, int, list[int]]:
+        prompt, needle = _assemble(filler[:count], facts, question)
+        return prompt, needle, tokenizer(prompt).input_ids
+
+    low, high = 0, budget
+    if len(build(0)[2]) > budget:
+        raise ValueError(f"lengths: {length} tokens cannot hold a {task} prompt without filler "
+                         f"({len(build(0)[2])} tokens) and its {NEW_TOKENS}-token answer")
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if len(build(mid)[2]) <= budget else (low, mid - 1)
+    prompt, needle, ids = build(low)
+    return Sample(task, length, depth, prompt, list(ids), answer, needle)
+
+
+def make_samples(tokenizer, task: str, length: int, trials: int, seed: int,
+                 depths: tuple[float, ...] = DEPTHS) -> list[Sample]:
+    """``trials`` prompts of ``task`` at ``length`` tokens, the needle at each of ``depths``
+    in turn; the same arguments give the same prompts."""
+    return [make_sample(tokenizer, task, length, depths[t % len(depths)], f"{seed}:{length}:{t}")
+            for t in range(trials)]

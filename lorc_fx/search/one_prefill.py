@@ -1,0 +1,93 @@
+"""One forward of a prompt writes the full cache and every plan's latent cache; each then reads
+on by itself, as ``generate`` reads a cache.
+
+A latent cache's prefill (a first write of more than ``PREFILL_TOKENS`` tokens) attends the
+tokens it writes as it computed them (``cache.layers._PrefillAsComputed``), so the prompt's
+forward is the full model's whatever the plan: one forward serves them all, and a long
+prompt's forward costs far more than what each cache reads after it. Later writes (decode
+steps, a few answer tokens) are read back through the codes, as a decode step reads them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.cache import LatentCache, angles_handed
+from lorc_fx.cache.layers import PREFILL_TOKENS
+from lorc_fx.plan.planner import Plan
+
+FULL = "full cache"
+
+
+class _PrefillTee(DynamicCache):
+    """A plain cache whose writes are also written to ``latents`` (each a plan's fresh latent
+    cache): one prefill fills them all. ``angles_handed`` reaches the ``latents`` through the
+    tee."""
+
+    def __init__(self, config, latents: list[LatentCache]):
+        super().__init__(config=config)
+        self.latents = latents
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        for latent in self.latents:
+            latent.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+Prefilled = list[tuple[str, object, Plan | None]]  # (name, cache, plan), the full cache first
+
+
+def prefilled(model: nn.Module, input_ids: list[int], plans: dict[str, Plan],
+              blocks: list[AttentionBlock]) -> tuple[torch.Tensor, Prefilled]:
+    """The last logits of one forward of ``input_ids``, and the caches it wrote: the full
+    cache (``FULL``, plan ``None``) and each plan's latent cache, by name."""
+    if len(input_ids) <= PREFILL_TOKENS:
+        raise ValueError(f"one prefill serves every cache only for prompts of more than "
+                         f"{PREFILL_TOKENS} tokens (a latent cache reads a shorter one back as "
+                         f"stored), not {len(input_ids)}")
+    config = model.config.get_text_config(decoder=True)
+    ids = torch.tensor([input_ids], device=next(model.parameters()).device)
+    tee = _PrefillTee(config, [LatentCache.from_cache(DynamicCache(config=config), p)
+                               for p in plans.values()])
+    with angles_handed(model, blocks, *plans.values()):
+        logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=tee,
+                       use_cache=True).logits[:, -1]
+    caches = dict(zip(plans, tee.latents))
+    tee.latents = []  # the tee reads on as the full cache
+    return logits, [(FULL, tee, None), *((n, caches[n], p) for n, p in plans.items())]
+
+
+def step(model: nn.Module, tokens: torch.Tensor, cache, length: int) -> torch.Tensor:
+    """The logits of every one of ``tokens`` (``(1, t)``) written to ``cache``, which then
+    holds ``length`` tokens: ``(1, t, vocab)``."""
+    mask = torch.ones(1, length, dtype=torch.long, device=tokens.device)
+    return model(tokens, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+
+
+@torch.no_grad()
+def answer_logprobs(model: nn.Module, prompts: list[tuple[list[int], list[int]]],
+                    plans: dict[str, Plan], blocks: list[AttentionBlock]
+                    ) -> dict[str, list[float]]:
+    """Per ``(prompt ids, answer ids)`` the log-probability (nats) of the answer after the
+    prompt through the full cache (``FULL``) and each plan's, one prefill a prompt for all.
+    The answer's first token is scored by the prefill (the full model's for every cache);
+    the others by one forward of the answer through each cache (its tokens read back as
+    stored, as decode steps read them). A graded score where accuracy is a coin: it moves with
+    a cache's errors before they flip an answer."""
+    out: dict[str, list[float]] = {name: [] for name in [FULL, *plans]}
+    for prompt, answer in prompts:
+        logits, caches = prefilled(model, prompt, plans, blocks)
+        first = float(logits[0].float().log_softmax(-1)[answer[0]])
+        rest = torch.tensor([answer[:-1]], device=logits.device)
+        targets = torch.tensor(answer[1:], device=logits.device)
+        for name, cache, plan in caches:
+            total = first
+            if len(answer) > 1:
+                with angles_handed(model, blocks, plan):
+                    read = step(model, rest, cache, len(prompt) + len(answer) - 1)
+                total += float(read[0].float().log_softmax(-1).gather(
+                    -1, targets[:, None]).sum())
+            out[name].append(total)
+    return out

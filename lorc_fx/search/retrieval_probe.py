@@ -1,0 +1,93 @@
+"""Which layers retrieval leans on, measured: each layer's codes alone, read by the answers of
+multikey prompts.
+
+A plan that spends its bits where the held-out loss says can still lose what a long context
+is read for: on the default model at 2.56 bits the vector plan finds 54 keys of 100 multikey
+prompts where the full cache finds 62, almost all of its misses another key's number
+(docs/results.md). The loss is not spread over the layers: coding one layer alone (every
+other layer's latents kept as floats) moves the answer's log-probability by 0.07-0.26 nats
+for four layers of 30 and by at most 0.04 for any other (bench/results/retrieval_layers-cpu.md),
+and neither the attention patterns (an induction score puts layer 17 in and 19 out) nor the
+loss's gradients on the answers (layers 18 and 23 only) find the four.
+
+So the probe measures it: ``PROMPTS`` multikey prompts (``data.retrieval_tasks``) of its own
+seed, never an evaluation's, and never of the held-out family (vartrack); one prefill writes
+the full cache and one cache per coded layer of the plan, that layer alone coded
+(``search.one_prefill``); each reads the answer as decode steps would. A layer's damage is the
+mean absolute change of the answer's log-probability against no layer coded; the layers above
+``OUTLIER`` times the mean are the ones the vector codes' allocation then weighs
+``PlanOptions.retrieval_weight`` times more (``schemes.vector``).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import replace
+
+from torch import nn
+from tqdm.auto import tqdm
+
+from lorc_fx.analysis.records import AttentionBlock
+from lorc_fx.cache.layers import PREFILL_TOKENS
+from lorc_fx.data.retrieval_tasks import NEW_TOKENS, make_samples
+from lorc_fx.plan.planner import Plan
+
+from .one_prefill import answer_logprobs
+
+TASK = "multikey"
+SEED = "planner"  # evaluations draw integer seeds: the probe's prompts are none of theirs
+PROMPTS = 8
+LENGTH = 512  # tokens of prompt and answer (the model's context limit where shorter)
+OUTLIER = 2.0  # a layer retrieval leans on moves the answers this many times the mean or more
+NONE_CODED = "no layer coded"
+
+log = logging.getLogger(__name__)
+
+
+def coded_only(plan: Plan, layers: set[int]) -> Plan:
+    """``plan`` with the codes of every layer not in ``layers`` (their positions in
+    ``plan.layers``) taken off: those layers keep their latents as floats."""
+    return replace(plan, layers=[l if i in layers else replace(l, k_code=None, v_code=None)
+                                 for i, l in enumerate(plan.layers)])
+
+
+def one_layer_coded(plan: Plan) -> dict[str, Plan]:
+    """``NONE_CODED``, then per coded layer (``"layer L"``) ``plan`` with only its codes."""
+    coded = [i for i, l in enumerate(plan.layers) if l.k_code is not None or l.v_code is not None]
+    return {NONE_CODED: coded_only(plan, set()),
+            **{f"layer {plan.layers[i].layer}": coded_only(plan, {i}) for i in coded}}
+
+
+def probe_length(model: nn.Module) -> int | None:
+    """The probe's prompt length for ``model``; ``None`` where its context cannot hold one
+    (a prompt of more than ``PREFILL_TOKENS`` tokens and its answer)."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    length = LENGTH if limit is None else min(LENGTH, limit)
+    return length if length > 4 * (PREFILL_TOKENS + NEW_TOKENS) else None
+
+
+def layer_damage(model: nn.Module, tokenizer, blocks: list[AttentionBlock], plan: Plan,
+                 length: int = LENGTH) -> dict[int, float]:
+    """Per coded layer of ``plan``, the mean absolute change of the answers' log-probability
+    (nats) when only that layer is coded, against no layer coded (shows progress)."""
+    variants = one_layer_coded(plan)
+    samples = make_samples(tokenizer, TASK, length, PROMPTS, SEED)
+    prompts = [(s.input_ids, tokenizer(" " + s.answer, add_special_tokens=False).input_ids)
+               for s in samples]
+    scores: dict[str, list[float]] = {name: [] for name in variants}
+    for prompt in tqdm(prompts, desc="lorc: which layers retrieval leans on (multikey answers, "
+                       "one layer coded at a time)", unit="prompt", mininterval=1.0):
+        for name, logprobs in answer_logprobs(model, [prompt], variants, blocks).items():
+            if name in scores:
+                scores[name] += logprobs
+    base = scores.pop(NONE_CODED)
+    return {int(name.split()[-1]): statistics.mean(abs(v - b) for v, b in zip(values, base))
+            for name, values in scores.items()}
+
+
+def retrieval_layers(damage: dict[int, float]) -> list[int]:
+    """The layers whose damage is above ``OUTLIER`` times the mean, in order."""
+    if not damage:
+        return []
+    mean = statistics.mean(damage.values())
+    return sorted(layer for layer, d in damage.items() if d > OUTLIER * mean > 0)

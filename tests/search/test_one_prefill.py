@@ -1,0 +1,53 @@
+"""One prefill writes every cache; an answer read through a plan's cache in one forward scores
+as the decode steps of ``generate`` would read it."""
+import dataclasses
+
+import pytest
+import torch
+
+import lorc_fx
+from lorc_fx.cache import angles_handed
+from lorc_fx.data.retrieval_tasks import make_samples
+from lorc_fx.search.one_prefill import FULL, answer_logprobs, prefilled, step
+
+
+@pytest.fixture
+def prompts_and_plan(loaded):
+    model, tok, blocks, _ = loaded
+    # answers of several tokens in the tiny model's vocabulary (its digits are one token)
+    samples = [dataclasses.replace(s, answer="the grass is green")
+               for s in make_samples(tok, "multikey", 160, 2, seed=3)]
+    prompts = [(s.input_ids, tok(" " + s.answer, add_special_tokens=False).input_ids)
+               for s in samples]
+    assert all(len(answer) > 1 for _, answer in prompts)
+    plan = lorc_fx.compress(model, 0.5, latent_bits=16, rope="reconstruct", basis="weight",
+                            schedule="uniform", progress=False, blocks=blocks).plan
+    return model, blocks, prompts, plan
+
+
+def test_the_full_caches_answer_logprobs_are_one_forwards_and_a_plans_its_own(prompts_and_plan):
+    model, blocks, prompts, plan = prompts_and_plan
+    scores = answer_logprobs(model, prompts, {"plan": plan}, blocks)
+    for (ids, answer), full, compressed in zip(prompts, scores[FULL], scores["plan"],
+                                               strict=True):
+        with torch.no_grad():
+            logp = model(torch.tensor([ids + answer])).logits[0, len(ids) - 1:-1]
+        logp = logp.float().log_softmax(-1)
+        assert full == pytest.approx(float(logp[torch.arange(len(answer)), answer].sum()),
+                                     abs=1e-3)
+        assert abs(compressed - full) > 1e-3  # the plan's cache is read
+
+
+@torch.no_grad()
+def test_an_answer_read_in_one_forward_scores_as_decode_steps_read_it(prompts_and_plan):
+    model, blocks, prompts, plan = prompts_and_plan
+    scores = answer_logprobs(model, prompts, {"plan": plan}, blocks)["plan"]
+    for (ids, answer), got in zip(prompts, scores, strict=True):
+        logits, caches = prefilled(model, ids, {"plan": plan}, blocks)
+        (_, cache, _), = [c for c in caches if c[0] == "plan"]
+        total = float(logits[0].log_softmax(-1)[answer[0]])
+        with angles_handed(model, blocks, plan):
+            for i, token in enumerate(answer[:-1]):
+                logits = step(model, torch.tensor([[token]]), cache, len(ids) + i + 1)[:, -1]
+                total += float(logits[0].float().log_softmax(-1)[answer[i + 1]])
+        assert got == pytest.approx(total, abs=1e-4)

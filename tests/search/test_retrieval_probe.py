@@ -1,0 +1,63 @@
+"""The retrieval probe codes one layer at a time and measures how far that moves the answers:
+coarser codes move them further, layers without codes are not probed, and the layers it
+returns are the outliers."""
+import random
+from dataclasses import replace
+
+import pytest
+
+import lorc_fx
+from lorc_fx.codes.integer import QuantSpec
+from lorc_fx.search import retrieval_probe
+
+
+def _at_bits(plan, bits: int):
+    """``plan`` with every code at ``bits`` (the same groups and axes)."""
+    def code(c):
+        return None if c is None else replace(c, bits=bits)
+    return replace(plan, layers=[replace(l, k_code=code(l.k_code), v_code=code(l.v_code))
+                                 for l in plan.layers])
+
+
+@pytest.fixture
+def int4_plan(loaded):
+    model, _, blocks, _ = loaded
+    plan = lorc_fx.compress(model, 0.5, latent_bits=4, rope="reconstruct", basis="weight",
+                            schedule="uniform", progress=False, blocks=blocks).plan
+    assert all(isinstance(l.k_code, QuantSpec) and l.k_code.bits == 4 for l in plan.layers)
+    return plan
+
+
+def test_coarser_codes_move_the_answers_further_layer_by_layer(loaded, int4_plan,
+                                                               monkeypatch):
+    monkeypatch.setattr(retrieval_probe, "PROMPTS", 3)
+    # the tiny tokenizer knows none of the prompt's words (every token would be <unk>, whose
+    # keys differ by position alone): prompts of its own words, at the probe's length
+    make = retrieval_probe.make_samples
+
+    def words(tokenizer, task, length, trials, seed):
+        rng = random.Random(0)
+        return [replace(s, input_ids=[rng.randrange(3, len(tokenizer)) for _ in s.input_ids],
+                        answer="w1 w2 w3 w4")
+                for s in make(tokenizer, task, length, trials, seed)]
+
+    monkeypatch.setattr(retrieval_probe, "make_samples", words)
+    model, tok, blocks, _ = loaded
+    length = retrieval_probe.probe_length(model)
+    coarse = retrieval_probe.layer_damage(model, tok, blocks, _at_bits(int4_plan, 2), length)
+    fine = retrieval_probe.layer_damage(model, tok, blocks, _at_bits(int4_plan, 8), length)
+    assert coarse.keys() == fine.keys() == {l.layer for l in int4_plan.layers}
+    assert all(coarse[l] > fine[l] >= 0 for l in coarse)
+
+    floats = retrieval_probe.coded_only(int4_plan, {1})  # layer 0 uncoded: not probed
+    assert retrieval_probe.layer_damage(model, tok, blocks, floats, length).keys() == {
+        int4_plan.layers[1].layer}
+
+
+def test_the_layers_retrieval_leans_on_are_above_twice_the_mean():
+    damage = {0: 0.003, 1: 0.26, 2: 0.005, 3: 0.1, 4: 0.04, 5: 0.0}
+    # twice the mean is 0.136: layer 3's 0.1 falls short, its 0.2 does not
+    assert retrieval_probe.retrieval_layers(damage) == [1]
+    assert retrieval_probe.retrieval_layers({**damage, 3: 0.2}) == [1, 3]
+    assert retrieval_probe.retrieval_layers({0: 0.0, 1: 0.0}) == []
+    assert retrieval_probe.retrieval_layers({}) == []
