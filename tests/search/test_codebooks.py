@@ -88,15 +88,29 @@ def test_a_first_plan_runs_the_calibration_text_once(tmp_path, monkeypatch):
     assert calls == {"both": [True, True, False], "latents": [], "fits": [1, 1]}
 
 
-def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
-    """The same books and errors, the weight of one layer's channels ×1000 then the other's:
-    the heavier layer's latents get more bits each time, within the same budget."""
+def _two_layers_with_books():
+    """A full-rank plan of two random layers, its inputs, coded sides, and books of widths 1,
+    2 and 4 with their errors, fitted on random latents."""
     inputs = random_layers(0, n_layers=2)
     full = plan_layers(inputs, PlanOptions(1.0, "uniform", "reconstruct"))
     gen = torch.Generator().manual_seed(0)
     sides = codebooks.coded_sides(full)
     samples = {side: torch.randn(400, 16, generator=gen) for side in sides}
     books, rho = codebooks.fit_books(samples, widths=(1, 2, 4), iters=2)
+    return inputs, full, sides, books, rho
+
+
+def _bits_per_token(plan) -> dict:
+    """Each side's bits a token (0 where it stores nothing)."""
+    return {(l.layer, s): getattr(l, f"{s}_code").spec.bits_per_token()
+            if getattr(l, f"{s}_code") is not None else 0.0
+            for l in plan.layers for s in ("k", "v")}
+
+
+def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
+    """The same books and errors, the weight of one layer's channels ×1000 then the other's:
+    the heavier layer's latents get more bits each time, within the same budget."""
+    inputs, full, sides, books, rho = _two_layers_with_books()
     options = PlanOptions.of(full.options, bits_per_value=3.0)
 
     def bits(heavy: int) -> dict:
@@ -104,9 +118,7 @@ def test_the_allocation_spends_bits_where_the_weights_say_the_loss_minds():
                    for side in sides}
         plan = vector_plan(full, inputs, options, books, rho, 0.5, weights)
         assert plan.bits_per_value <= 3.0 + 1e-9
-        return {(l.layer, s): getattr(l, f"{s}_code").spec.bits_per_token()
-                if getattr(l, f"{s}_code") is not None else 0.0
-                for l in plan.layers for s in ("k", "v")}
+        return _bits_per_token(plan)
 
     first, second = bits(0), bits(1)
     for side in ("k", "v"):
@@ -117,23 +129,16 @@ def test_layers_favoured_for_retrieval_get_more_bits_and_say_why():
     """The same books, errors and weights: the layer favoured for retrieval gets more bits a
     token on both sides than unfavoured, the other fewer, within the same budget, and its plan
     says why; ``retrieval_weight=1`` favours nothing."""
-    inputs = random_layers(0, n_layers=2)
-    full = plan_layers(inputs, PlanOptions(1.0, "uniform", "reconstruct"))
-    gen = torch.Generator().manual_seed(0)
-    sides = codebooks.coded_sides(full)
-    samples = {side: torch.randn(400, 16, generator=gen) for side in sides}
-    books, rho = codebooks.fit_books(samples, widths=(1, 2, 4), iters=2)
+    inputs, full, sides, books, rho = _two_layers_with_books()
     weights = {side: torch.ones(16, dtype=torch.float64) for side in sides}
 
     def planned(weight: float, favoured: dict):
         options = PlanOptions.of(full.options, bits_per_value=3.0, retrieval_weight=weight)
         plan = vector_plan(full, inputs, options, books, rho, 0.5, weights, favoured)
         assert plan.bits_per_value <= 3.0 + 1e-9
-        return plan, {(l.layer, s): getattr(l, f"{s}_code").spec.bits_per_token()
-                      if getattr(l, f"{s}_code") is not None else 0.0
-                      for l in plan.layers for s in ("k", "v")}
+        return plan, _bits_per_token(plan)
 
-    plain, before = planned(16.0, {})
+    _, before = planned(16.0, {})
     favoured, after = planned(16.0, {1: "retrieves"})
     for side in ("k", "v"):
         assert after[1, side] > before[1, side] and after[0, side] < before[0, side]
