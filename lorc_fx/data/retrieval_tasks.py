@@ -131,9 +131,10 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed) -> Sample
     return Sample(task, length, depth, prompt, list(ids), answer, needle)
 
 
-def make_samples(tokenizer, task: str, length: int, trials: int, seed: int,
+def make_samples(tokenizer, task: str, length: int, trials: int, seed: int | str,
                  depths: tuple[float, ...] = DEPTHS) -> list[Sample]:
     """``trials`` prompts of ``task`` at ``length`` tokens, the needle at each of ``depths``
-    in turn; the same arguments give the same prompts."""
+    in turn; the same arguments give the same prompts (evaluations take integer seeds, the
+    planner's probe a word, so none of its prompts is theirs)."""
     return [make_sample(tokenizer, task, length, depths[t % len(depths)], f"{seed}:{length}:{t}")
             for t in range(trials)]
