@@ -75,8 +75,7 @@ def main() -> None:
     blocks = lorc_fx.analyze(model)
     samples = make_samples(tok, args.task, length, args.trials, args.seed)
     mine = [i for i in range(len(samples)) if i % n == k]
-    prompts = [(samples[i].input_ids,
-                tok(" " + samples[i].answer, add_special_tokens=False).input_ids) for i in mine]
+    prompts = [(samples[i].input_ids, samples[i].answer_ids(tok)) for i in mine]
     scores = answer_logprobs(model, prompts, variants(plan), blocks)
     per_prompt = {str(i): {name: values[j] for name, values in scores.items()}
                   for j, i in enumerate(mine)}

@@ -49,6 +49,10 @@ class Sample:
     answer: str
     needle_char: int  # where the needle (the asked key, or the chain's first step) begins
 
+    def answer_ids(self, tokenizer) -> list[int]:
+        """The answer's token ids as its text continues the prompt (``" " + answer``)."""
+        return tokenizer(" " + self.answer, add_special_tokens=False).input_ids
+
 
 def _filler(count: int) -> list[str]:
     return [NOISE[i % len(NOISE)] for i in range(count)]

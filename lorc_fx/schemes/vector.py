@@ -34,8 +34,7 @@ from torch import nn
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.codes.vector import VectorBook, select
-from lorc_fx.plan.calibration import (CalibrationUnavailable, calibration_tokenizer,
-                                      calibration_windows, model_tokenizer)
+from lorc_fx.plan.calibration import calibration_tokenizer, calibration_windows
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
                                   value_energies)
@@ -211,7 +210,8 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
     calibration = options.calibration
-    windows = calibration_windows(calibration_tokenizer(model, calibration), calibration, model)
+    tokenizer = calibration_tokenizer(model, calibration)
+    windows = calibration_windows(tokenizer, calibration, model)
     books, rho, sensitivities = books_and_sensitivities(model, blocks, full, windows,
                                                         projections)
     measured: dict[tuple[str, float], tuple[float, Plan]] = {}
@@ -238,13 +238,13 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
         plan = vector_plan(full, inputs, at, books, rho, share, weighed[name], favoured)
         return plan, held_out_loss(model, blocks, plan)
 
-    plan, loss = favour_retrieval(model, blocks, options, plan, loss, favouring)
+    plan, loss = favour_retrieval(model, tokenizer, blocks, options, plan, loss, favouring)
     plan.basis_note = note
     return plan, loss
 
 
-def favour_retrieval(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-                     plan: Plan, loss: float,
+def favour_retrieval(model: nn.Module, tokenizer, blocks: list[AttentionBlock],
+                     options: PlanOptions, plan: Plan, loss: float,
                      favouring: Callable[[float, dict[int, str]], tuple[Plan, float]]
                      ) -> tuple[Plan, float]:
     """``plan`` (of held-out ``loss``) with the layers retrieval leans on weighed more
@@ -252,7 +252,7 @@ def favour_retrieval(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     else at its square root, whichever first costs at most ``RETRIEVAL_COST`` nats of
     held-out loss; ``plan`` itself (its ``retrieval_weight`` 1) where no layer stands out or
     both cost more. Not chosen by the loss: it would never pay what retrieval needs."""
-    favoured = retrieval_favoured(model, blocks, options, plan)
+    favoured = retrieval_favoured(model, tokenizer, blocks, options, plan)
     if favoured:
         tried = (options.retrieval_weight, options.retrieval_weight ** 0.5)
         for weight in tried:
@@ -268,16 +268,15 @@ def favour_retrieval(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     return replace(plan, options=replace(plan.options, retrieval_weight=1.0)), loss
 
 
-def retrieval_favoured(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,
-                       plan: Plan) -> dict[int, str]:
+def retrieval_favoured(model: nn.Module, tokenizer, blocks: list[AttentionBlock],
+                       options: PlanOptions, plan: Plan) -> dict[int, str]:
     """The layers of ``plan`` whose codes alone move retrieval answers most
     (``search.retrieval_probe``), each with what its plan's note says of it; none where
-    ``options.retrieval_weight`` is 1, or where the model has no tokenizer or too short a
-    context for the probe's prompts (said)."""
+    ``options.retrieval_weight`` is 1, or where the model has no tokenizer (``None``) or too
+    short a context for the probe's prompts (said)."""
     if options.retrieval_weight == 1:
         return {}
     length = probe_length(model)
-    tokenizer = _tokenizer(model)
     if length is None or tokenizer is None:
         log.warning("lorc_fx: vector codes favour no layer for retrieval: the model has %s",
                     "no tokenizer" if tokenizer is None else "too short a context for the "
@@ -291,14 +290,6 @@ def retrieval_favoured(model: nn.Module, blocks: list[AttentionBlock], options: 
              ", ".join(f"{damage[l]:.3f}" for l in favoured), mean)
     return {l: f"coded alone it moves multikey answers by {damage[l]:.3f} nats, the mean layer "
                f"{mean:.3f}" for l in favoured}
-
-
-def _tokenizer(model: nn.Module):
-    """The model's tokenizer, or ``None`` where it has none."""
-    try:
-        return model_tokenizer(model)
-    except CalibrationUnavailable:
-        return None
 
 
 def least_over_shares(loss_at: Callable[[float], float]) -> float:

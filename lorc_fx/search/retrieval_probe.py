@@ -72,8 +72,7 @@ def layer_damage(model: nn.Module, tokenizer, blocks: list[AttentionBlock], plan
     (nats) when only that layer is coded, against no layer coded (shows progress)."""
     variants = one_layer_coded(plan)
     samples = make_samples(tokenizer, TASK, length, PROMPTS, SEED)
-    prompts = [(s.input_ids, tokenizer(" " + s.answer, add_special_tokens=False).input_ids)
-               for s in samples]
+    prompts = [(s.input_ids, s.answer_ids(tokenizer)) for s in samples]
     scores: dict[str, list[float]] = {name: [] for name in variants}
     for prompt in tqdm(prompts, desc="lorc: which layers retrieval leans on (multikey answers, "
                        "one layer coded at a time)", unit="prompt", mininterval=1.0):

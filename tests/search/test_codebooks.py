@@ -163,7 +163,7 @@ def test_retrieval_is_favoured_at_the_first_weight_within_its_cost(monkeypatch, 
         def favouring(weight, favoured):
             tried.append(weight)
             return replace(plan, rotary_log=int(weight)), 2.5 + costs[weight]
-        chosen, loss = vector.favour_retrieval(None, [], options, plan, 2.5, favouring)
+        chosen, loss = vector.favour_retrieval(None, None, [], options, plan, 2.5, favouring)
         return chosen, loss, tried
 
     chosen, loss, tried = favour({16: 0.01})

@@ -17,8 +17,7 @@ def prompts_and_plan(loaded):
     # answers of several tokens in the tiny model's vocabulary (its digits are one token)
     samples = [dataclasses.replace(s, answer="the grass is green")
                for s in make_samples(tok, "multikey", 160, 2, seed=3)]
-    prompts = [(s.input_ids, tok(" " + s.answer, add_special_tokens=False).input_ids)
-               for s in samples]
+    prompts = [(s.input_ids, s.answer_ids(tok)) for s in samples]
     assert all(len(answer) > 1 for _, answer in prompts)
     plan = lorc_fx.compress(model, 0.5, latent_bits=16, rope="reconstruct", basis="weight",
                             schedule="uniform", progress=False, blocks=blocks).plan
