@@ -22,7 +22,7 @@ from lorc_fx.cache import angles_handed
 from lorc_fx.data.retrieval_tasks import MIN_LENGTH, NEW_TOKENS, TASKS, Sample, make_samples
 from lorc_fx.eval.evaluate import greedy_continuations
 from lorc_fx.plan.planner import Plan
-from lorc_fx.search.one_prefill import FULL, prefilled, step
+from lorc_fx.search.one_prefill import FULL, SideBySide, prefilled, step
 
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 
@@ -95,9 +95,9 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
                             ) -> dict[str, list[str]]:
     """Greedy answers of the full cache (``"full cache"``) and of each plan's latent cache
     (by name) to every prompt, as :func:`answers` gives them, with one prefill a prompt for
-    all: the prompt's forward writes every cache (``search.one_prefill``), then each cache
-    decodes ``NEW_TOKENS`` greedy tokens on its own (end-of-text suppressed, as
-    ``generate``'s ``min_new_tokens``). A long prompt's forward costs far more than the
+    all: the prompt's forward writes every cache (``search.one_prefill``), then every cache
+    decodes ``NEW_TOKENS`` greedy tokens, side by side in one forward a step, each row its own
+    cache (end-of-text suppressed, as ``generate``'s ``min_new_tokens``). A long prompt's forward costs far more than the
     steps after it (8k tokens: ~1.5 min of a CPU thread, then a few seconds a plan). Batch
     1, no padding; ``blocks``: the model's attention blocks (``analyze``), whose modules hand
     caches logging RoPE angles their angles."""
@@ -106,26 +106,28 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
     out: dict[str, list[str]] = {name: [] for name in [FULL, *plans]}
     for s in tqdm(samples, desc="one prefill, every cache", leave=False):
         logits, caches = prefilled(model, s.input_ids, plans, blocks)
-        for name, cache, plan in caches:
-            with angles_handed(model, blocks, plan):
-                new = _greedy_steps(model, logits, cache, len(s.input_ids), eos)
-            out[name].append(tokenizer.decode(new))
+        with angles_handed(model, blocks, *plans.values()):
+            new = _greedy_steps(model, logits.expand(len(caches), -1),
+                                SideBySide([cache for _, cache, _ in caches]),
+                                len(s.input_ids), eos)
+        for (name, _, _), row in zip(caches, new.tolist(), strict=True):
+            out[name].append(tokenizer.decode(row))
     return out
 
 
 def _greedy_steps(model: nn.Module, logits: torch.Tensor, cache, prompt: int,
-                  eos: list[int]) -> list[int]:
-    """``NEW_TOKENS`` greedy tokens after a prompt of ``prompt`` tokens whose last logits are
-    ``logits`` and whose keys and values ``cache`` holds."""
+                  eos: list[int]) -> torch.Tensor:
+    """``(b, NEW_TOKENS)`` greedy tokens after a prompt of ``prompt`` tokens whose last logits
+    are ``logits`` ``(b, vocab)`` and whose keys and values ``cache`` holds (each row's its
+    own: ``SideBySide``)."""
     new = []
     for i in range(NEW_TOKENS):
         logits = logits.clone()
         logits[:, eos] = -math.inf
-        token = logits.argmax(-1, keepdim=True)
-        new.append(int(token))
+        new.append(logits.argmax(-1, keepdim=True))
         if i + 1 < NEW_TOKENS:
-            logits = step(model, token, cache, prompt + i + 1)[:, -1]
-    return new
+            logits = step(model, new[-1], cache, prompt + i + 1)[:, -1]
+    return torch.cat(new, dim=1)
 
 
 def parse_lengths(listed: str) -> tuple[int, ...]:

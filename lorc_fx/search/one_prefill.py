@@ -5,13 +5,14 @@ A latent cache's prefill (a first write of more than ``PREFILL_TOKENS`` tokens) 
 tokens it writes as it computed them (``cache.layers._PrefillAsComputed``), so the prompt's
 forward is the full model's whatever the plan: one forward serves them all, and a long
 prompt's forward costs far more than what each cache reads after it. Later writes (decode
-steps, a few answer tokens) are read back through the codes, as a decode step reads them.
+steps, a few answer tokens) are read back through the codes, as a decode step reads them;
+``SideBySide`` reads every cache in one forward of as many rows, each row its own cache.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import LatentCache, angles_handed
@@ -34,6 +35,25 @@ class _PrefillTee(DynamicCache):
         for latent in self.latents:
             latent.update(key_states, value_states, layer_idx, *args, **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class SideBySide(Cache):
+    """Caches of one row each, holding the same tokens, read as one cache whose row ``i`` is
+    ``caches[i]``: each row's write goes to its own cache, which hands back what it reads, so
+    one forward reads them all as each alone would, the weights read once rather than once a
+    cache. Only reads: what the model asks before writing (sequence length, mask sizes) is
+    the first cache's layers', every cache's alike. ``angles_handed`` reaches the latent
+    caches among them (``latents``)."""
+
+    def __init__(self, caches: list[Cache]):
+        super().__init__(layers=caches[0].layers)
+        self.caches = caches
+        self.latents = [c for c in caches if isinstance(c, LatentCache)]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        read = [c.update(key_states[i:i + 1], value_states[i:i + 1], layer_idx, *args, **kwargs)
+                for i, c in enumerate(self.caches)]
+        return torch.cat([k for k, _ in read]), torch.cat([v for _, v in read])
 
 
 Prefilled = list[tuple[str, object, Plan | None]]  # (name, cache, plan), the full cache first
@@ -60,9 +80,9 @@ def prefilled(model: nn.Module, input_ids: list[int], plans: dict[str, Plan],
 
 
 def step(model: nn.Module, tokens: torch.Tensor, cache, length: int) -> torch.Tensor:
-    """The logits of every one of ``tokens`` (``(1, t)``) written to ``cache``, which then
-    holds ``length`` tokens: ``(1, t, vocab)``."""
-    mask = torch.ones(1, length, dtype=torch.long, device=tokens.device)
+    """The logits of every one of ``tokens`` (``(b, t)``) written to ``cache``, which then
+    holds ``length`` tokens: ``(b, t, vocab)``."""
+    mask = torch.ones(len(tokens), length, dtype=torch.long, device=tokens.device)
     return model(tokens, attention_mask=mask, past_key_values=cache, use_cache=True).logits
 
 
@@ -73,21 +93,23 @@ def answer_logprobs(model: nn.Module, prompts: list[tuple[list[int], list[int]]]
     """Per ``(prompt ids, answer ids)`` the log-probability (nats) of the answer after the
     prompt through the full cache (``FULL``) and each plan's, one prefill a prompt for all.
     The answer's first token is scored by the prefill (the full model's for every cache);
-    the others by one forward of the answer through each cache (its tokens read back as
-    stored, as decode steps read them). A graded score where accuracy is a coin: it moves with
-    a cache's errors before they flip an answer."""
+    the others by one forward of the answer through every cache side by side (its tokens
+    read back as stored, as decode steps read them). A graded score where accuracy is a coin:
+    it moves with a cache's errors before they flip an answer."""
     out: dict[str, list[float]] = {name: [] for name in [FULL, *plans]}
     for prompt, answer in prompts:
         logits, caches = prefilled(model, prompt, plans, blocks)
         first = float(logits[0].float().log_softmax(-1)[answer[0]])
-        rest = torch.tensor([answer[:-1]], device=logits.device)
+        rest = torch.tensor([answer[:-1]], device=logits.device).expand(len(caches), -1)
         targets = torch.tensor(answer[1:], device=logits.device)
-        for name, cache, plan in caches:
-            total = first
-            if len(answer) > 1:
-                with angles_handed(model, blocks, plan):
-                    read = step(model, rest, cache, len(prompt) + len(answer) - 1)
-                total += float(read[0].float().log_softmax(-1).gather(
-                    -1, targets[:, None]).sum())
+        if len(answer) > 1:
+            with angles_handed(model, blocks, *plans.values()):
+                read = step(model, rest, SideBySide([c for _, c, _ in caches]),
+                            len(prompt) + len(answer) - 1)
+            scored = read.float().log_softmax(-1)[:, torch.arange(len(targets)), targets]
+            totals = (first + scored.sum(-1)).tolist()
+        else:
+            totals = [first] * len(caches)
+        for (name, _, _), total in zip(caches, totals, strict=True):
             out[name].append(total)
     return out

@@ -1,5 +1,5 @@
-"""One prefill writes every cache; an answer read through a plan's cache in one forward scores
-as the decode steps of ``generate`` would read it."""
+"""One prefill writes every cache; an answer read through every plan's cache side by side in one
+forward scores as the decode steps of ``generate`` would read each cache alone."""
 import dataclasses
 
 import pytest
@@ -19,14 +19,16 @@ def prompts_and_plan(loaded):
                for s in make_samples(tok, "multikey", 160, 2, seed=3)]
     prompts = [(s.input_ids, s.answer_ids(tok)) for s in samples]
     assert all(len(answer) > 1 for _, answer in prompts)
-    plan = lorc_fx.compress(model, 0.5, latent_bits=16, rope="reconstruct", basis="weight",
-                            schedule="uniform", progress=False, blocks=blocks).plan
-    return model, blocks, prompts, plan
+    plans = {name: lorc_fx.compress(model, fraction, latent_bits=bits, rope="reconstruct",
+                                    basis="weight", schedule="uniform", progress=False,
+                                    blocks=blocks).plan
+             for name, fraction, bits in (("plan", 0.5, 16), ("smaller", 0.25, 4))}
+    return model, blocks, prompts, plans
 
 
 def test_the_full_caches_answer_logprobs_are_one_forwards_and_a_plans_its_own(prompts_and_plan):
-    model, blocks, prompts, plan = prompts_and_plan
-    scores = answer_logprobs(model, prompts, {"plan": plan}, blocks)
+    model, blocks, prompts, plans = prompts_and_plan
+    scores = answer_logprobs(model, prompts, {"plan": plans["plan"]}, blocks)
     for (ids, answer), full, compressed in zip(prompts, scores[FULL], scores["plan"],
                                                strict=True):
         with torch.no_grad():
@@ -38,12 +40,15 @@ def test_the_full_caches_answer_logprobs_are_one_forwards_and_a_plans_its_own(pr
 
 
 @torch.no_grad()
-def test_an_answer_read_in_one_forward_scores_as_decode_steps_read_it(prompts_and_plan):
-    model, blocks, prompts, plan = prompts_and_plan
-    scores = answer_logprobs(model, prompts, {"plan": plan}, blocks)["plan"]
-    for (ids, answer), got in zip(prompts, scores, strict=True):
-        logits, caches = prefilled(model, ids, {"plan": plan}, blocks)
-        (_, cache, _), = [c for c in caches if c[0] == "plan"]
+@pytest.mark.parametrize("name", ["plan", "smaller"])
+def test_answers_read_side_by_side_score_as_decode_steps_read_each_cache(prompts_and_plan, name):
+    model, blocks, prompts, plans = prompts_and_plan
+    scores = answer_logprobs(model, prompts, plans, blocks)
+    assert scores["plan"] != scores["smaller"]
+    plan = plans[name]
+    for (ids, answer), got in zip(prompts, scores[name], strict=True):
+        logits, caches = prefilled(model, ids, {name: plan}, blocks)
+        (_, cache, _), = [c for c in caches if c[0] == name]
         total = float(logits[0].log_softmax(-1)[answer[0]])
         with angles_handed(model, blocks, plan):
             for i, token in enumerate(answer[:-1]):
