@@ -105,14 +105,21 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     out: dict[str, list[str]] = {name: [] for name in [FULL, *plans]}
     for s in tqdm(samples, desc="one prefill, every cache", leave=False):
-        logits, caches = prefilled(model, s.input_ids, plans, blocks)
-        with angles_handed(model, blocks, *plans.values()):
-            new = _greedy_steps(model, logits.expand(len(caches), -1),
-                                SideBySide([cache for _, cache, _ in caches]),
-                                len(s.input_ids), eos)
-        for (name, _, _), row in zip(caches, new.tolist(), strict=True):
+        # one prompt's caches at a time: they are freed before the next prompt's prefill
+        for name, row in zip(out, _greedy_sharing_prefill(model, s, plans, blocks, eos),
+                             strict=True):
             out[name].append(tokenizer.decode(row))
     return out
+
+
+def _greedy_sharing_prefill(model: nn.Module, sample: Sample, plans: dict[str, Plan],
+                            blocks: list[AttentionBlock], eos: list[int]) -> list[list[int]]:
+    """The greedy tokens of the full cache, then of each plan's, after one prefill."""
+    logits, caches = prefilled(model, sample.input_ids, plans, blocks)
+    with angles_handed(model, blocks, *plans.values()):
+        return _greedy_steps(model, logits.expand(len(caches), -1),
+                             SideBySide([cache for _, cache, _ in caches]),
+                             len(sample.input_ids), eos).tolist()
 
 
 def _greedy_steps(model: nn.Module, logits: torch.Tensor, cache, prompt: int,

@@ -97,19 +97,24 @@ def answer_logprobs(model: nn.Module, prompts: list[tuple[list[int], list[int]]]
     read back as stored, as decode steps read them). A graded score where accuracy is a coin:
     it moves with a cache's errors before they flip an answer."""
     out: dict[str, list[float]] = {name: [] for name in [FULL, *plans]}
-    for prompt, answer in prompts:
-        logits, caches = prefilled(model, prompt, plans, blocks)
-        first = float(logits[0].float().log_softmax(-1)[answer[0]])
-        rest = torch.tensor([answer[:-1]], device=logits.device).expand(len(caches), -1)
-        targets = torch.tensor(answer[1:], device=logits.device)
-        if len(answer) > 1:
-            with angles_handed(model, blocks, *plans.values()):
-                read = step(model, rest, SideBySide([c for _, c, _ in caches]),
-                            len(prompt) + len(answer) - 1)
-            scored = read.float().log_softmax(-1)[:, torch.arange(len(targets)), targets]
-            totals = (first + scored.sum(-1)).tolist()
-        else:
-            totals = [first] * len(caches)
-        for (name, _, _), total in zip(caches, totals, strict=True):
+    for prompt, answer in prompts:  # one prompt's caches at a time: they are freed before the next
+        for name, total in zip(out, _answer_logprobs(model, prompt, answer, plans, blocks),
+                               strict=True):
             out[name].append(total)
     return out
+
+
+def _answer_logprobs(model: nn.Module, prompt: list[int], answer: list[int],
+                     plans: dict[str, Plan], blocks: list[AttentionBlock]) -> list[float]:
+    """The answer's log-probability through the full cache, then each plan's."""
+    logits, caches = prefilled(model, prompt, plans, blocks)
+    first = float(logits[0].float().log_softmax(-1)[answer[0]])
+    if len(answer) == 1:
+        return [first] * len(caches)
+    rest = torch.tensor([answer[:-1]], device=logits.device).expand(len(caches), -1)
+    targets = torch.tensor(answer[1:], device=logits.device)
+    with angles_handed(model, blocks, *plans.values()):
+        read = step(model, rest, SideBySide([c for _, c, _ in caches]),
+                    len(prompt) + len(answer) - 1)
+    scored = read.float().log_softmax(-1)[:, torch.arange(len(targets)), targets]
+    return (first + scored.sum(-1)).tolist()
