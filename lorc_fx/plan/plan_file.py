@@ -142,6 +142,32 @@ def _book_tensors(name: str, code: Code) -> dict[str, torch.Tensor]:
             for part, t in zip(("codewords", "values"), tables)}
 
 
+def _plan_tensors(plan: Plan) -> dict[str, torch.Tensor]:
+    """Every tensor a plan file holds, by name: bases, oblique rebuild rows, vector books."""
+    tensors = {}
+    for layer in plan.layers:
+        for side in ("k", "v"):
+            basis = getattr(layer, f"{side}_basis")
+            tensors[f"{layer.layer}.{side}_basis"] = basis.detach().cpu().contiguous().clone()
+            rebuild = getattr(layer, f"{side}_rebuild")
+            if not torch.equal(rebuild, basis):
+                tensors[f"{layer.layer}.{side}_rebuild"] = rebuild.detach().cpu().contiguous().clone()
+            tensors.update(_book_tensors(f"{layer.layer}.{side}_book",
+                                         getattr(layer, f"{side}_code")))
+    return tensors
+
+
+def plan_digest(plan: Plan) -> str:
+    """A hash of everything a file of ``plan`` would hold (its tensors' bytes and its
+    description): equal for plans that would save alike, a key for what is measured of one."""
+    h = hashlib.sha256(json.dumps(_plan_json(plan), sort_keys=True).encode())
+    for name, tensor in sorted(_plan_tensors(plan).items()):
+        h.update(name.encode())
+        h.update(str(tensor.dtype).encode() + str(tuple(tensor.shape)).encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()[:20]
+
+
 def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
     """Write ``plan`` to ``path`` (a file, or a directory to hold ``PLAN_FILE``); returns the
     file written, and logs it once at INFO. The plan must record its model's fingerprint,
@@ -154,19 +180,9 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> Path:
                          "be checked against a model; save the plan of lorc_fx.plan(model) or "
                          "of a model lorc_fx.compress compressed")
     path = plan_path(path)
-    tensors = {}
-    for layer in plan.layers:
-        for side in ("k", "v"):
-            basis = getattr(layer, f"{side}_basis")
-            tensors[f"{layer.layer}.{side}_basis"] = basis.detach().cpu().contiguous().clone()
-            rebuild = getattr(layer, f"{side}_rebuild")
-            if not torch.equal(rebuild, basis):
-                tensors[f"{layer.layer}.{side}_rebuild"] = rebuild.detach().cpu().contiguous().clone()
-            tensors.update(_book_tensors(f"{layer.layer}.{side}_book",
-                                         getattr(layer, f"{side}_code")))
     from safetensors.torch import save
 
-    data = save(tensors, metadata={FORMAT: json.dumps(_plan_json(plan))})
+    data = save(_plan_tensors(plan), metadata={FORMAT: json.dumps(_plan_json(plan))})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # renamed once whole
     try:

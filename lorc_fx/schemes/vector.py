@@ -45,7 +45,7 @@ from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.candidates import plain_fits
 from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides
 from lorc_fx.search.context import Candidate, SearchContext, calibrated_basis
-from lorc_fx.search.retrieval_probe import layer_damage, probe_length, retrieval_layers
+from lorc_fx.search.retrieval_probe import kept_layer_damage, probe_length, retrieval_layers
 from lorc_fx.search.split import held_out_loss
 
 KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
@@ -282,7 +282,7 @@ def retrieval_favoured(model: nn.Module, tokenizer, blocks: list[AttentionBlock]
                     "no tokenizer" if tokenizer is None else "too short a context for the "
                     "probe's prompts")
         return {}
-    damage = layer_damage(model, tokenizer, blocks, plan, length)
+    damage = kept_layer_damage(model, tokenizer, blocks, plan, length)
     favoured = retrieval_layers(damage)
     mean = sum(damage.values()) / len(damage) if damage else 0.0
     log.info("vector codes: layers %s move multikey answers most when coded alone (%s nats, "

@@ -16,20 +16,27 @@ the full cache and one cache per coded layer of the plan, that layer alone coded
 (``search.one_prefill``); each reads the answer as decode steps would. A layer's damage is the
 mean absolute change of the answer's log-probability against no layer coded; the layers above
 ``OUTLIER`` times the mean are the ones the vector codes' allocation then weighs
-``PlanOptions.retrieval_weight`` times more (``schemes.vector``).
+``PlanOptions.retrieval_weight`` times more (``schemes.vector``). What it measures is kept
+beside the calibration, keyed by the plan probed: a later plan of the same budget reads it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache.layers import PREFILL_TOKENS
+from lorc_fx.data.models import user_cache_dir
 from lorc_fx.data.retrieval_tasks import NEW_TOKENS, make_samples
+from lorc_fx.plan.calibration import save_atomic
+from lorc_fx.plan.plan_file import plan_digest
 from lorc_fx.plan.planner import Plan
 
 from .one_prefill import answer_logprobs
@@ -82,6 +89,23 @@ def layer_damage(model: nn.Module, tokenizer, blocks: list[AttentionBlock], plan
     base = scores.pop(NONE_CODED)
     return {int(name.split()[-1]): statistics.mean(abs(v - b) for v, b in zip(values, base))
             for name, values in scores.items()}
+
+
+def kept_layer_damage(model: nn.Module, tokenizer, blocks: list[AttentionBlock], plan: Plan,
+                      length: int = LENGTH) -> dict[int, float]:
+    """:func:`layer_damage`, read from the cache directory where this plan was probed before
+    at ``length`` (``calibration/retrieval-*.json``, keyed by ``plan_digest`` and the
+    probe's prompts), else measured and kept there."""
+    key = json.dumps({"format": 1, "plan": plan_digest(plan), "task": TASK, "seed": SEED,
+                      "prompts": PROMPTS, "length": length}, sort_keys=True)
+    path = user_cache_dir() / "calibration" / \
+        f"retrieval-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if path.is_file():
+        return {int(layer): d for layer, d in json.loads(path.read_text()).items()}
+    damage = layer_damage(model, tokenizer, blocks, plan, length)
+    save_atomic(damage, path, write=lambda d, file: Path(file).write_text(json.dumps(d)))
+    log.info("vector codes: the retrieval probe's measurements kept in %s", path)
+    return damage
 
 
 def retrieval_layers(damage: dict[int, float]) -> list[int]:

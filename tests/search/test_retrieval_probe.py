@@ -61,3 +61,22 @@ def test_the_layers_retrieval_leans_on_are_above_twice_the_mean():
     assert retrieval_probe.retrieval_layers({**damage, 3: 0.2}) == [1, 3]
     assert retrieval_probe.retrieval_layers({0: 0.0, 1: 0.0}) == []
     assert retrieval_probe.retrieval_layers({}) == []
+
+
+def test_what_the_probe_measured_of_a_plan_is_kept_and_read_back(loaded, int4_plan,
+                                                                 monkeypatch):
+    model, tok, blocks, _ = loaded
+    measured = []
+
+    def measure(model, tokenizer, blocks, plan, length):
+        measured.append(plan)
+        return {l.layer: 0.1 * (i + 1) + plan.layers[0].k_code.bits for i, l in
+                enumerate(plan.layers)}
+
+    monkeypatch.setattr(retrieval_probe, "layer_damage", measure)
+    first = retrieval_probe.kept_layer_damage(model, tok, blocks, int4_plan, 256)
+    assert retrieval_probe.kept_layer_damage(model, tok, blocks, int4_plan, 256) == first
+    assert len(measured) == 1  # read back, with its layers as integers
+    coarser = retrieval_probe.kept_layer_damage(model, tok, blocks, _at_bits(int4_plan, 2), 256)
+    retrieval_probe.kept_layer_damage(model, tok, blocks, int4_plan, 128)
+    assert len(measured) == 3 and coarser != first  # another plan, another length: measured
