@@ -97,10 +97,11 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
     (by name) to every prompt, as :func:`answers` gives them, with one prefill a prompt for
     all: the prompt's forward writes every cache (``search.one_prefill``), then every cache
     decodes ``NEW_TOKENS`` greedy tokens, side by side in one forward a step, each row its own
-    cache (end-of-text suppressed, as ``generate``'s ``min_new_tokens``). A long prompt's forward costs far more than the
-    steps after it (8k tokens: ~1.5 min of a CPU thread, then a few seconds a plan). Batch
-    1, no padding; ``blocks``: the model's attention blocks (``analyze``), whose modules hand
-    caches logging RoPE angles their angles."""
+    cache (end-of-text suppressed, as ``generate``'s ``min_new_tokens``). A long prompt's
+    forward costs far more than the steps after it (8k tokens: ~1.5 min of a CPU thread,
+    then a few seconds a plan). One prompt at a time, no padding; ``blocks``: the model's
+    attention blocks (``analyze``), whose modules hand caches logging RoPE angles their
+    angles."""
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     out: dict[str, list[str]] = {name: [] for name in [FULL, *plans]}

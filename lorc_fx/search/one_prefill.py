@@ -97,7 +97,7 @@ def answer_logprobs(model: nn.Module, prompts: list[tuple[list[int], list[int]]]
     read back as stored, as decode steps read them). A graded score where accuracy is a coin:
     it moves with a cache's errors before they flip an answer."""
     out: dict[str, list[float]] = {name: [] for name in [FULL, *plans]}
-    for prompt, answer in prompts:  # one prompt's caches at a time: they are freed before the next
+    for prompt, answer in prompts:  # one prompt's caches at a time, freed before the next
         for name, total in zip(out, _answer_logprobs(model, prompt, answer, plans, blocks),
                                strict=True):
             out[name].append(total)
