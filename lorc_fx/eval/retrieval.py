@@ -18,11 +18,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.cache import angles_handed
 from lorc_fx.data.retrieval_tasks import MIN_LENGTH, NEW_TOKENS, TASKS, Sample, make_samples
 from lorc_fx.eval.evaluate import greedy_continuations
 from lorc_fx.plan.planner import Plan
-from lorc_fx.search.one_prefill import FULL, SideBySide, prefilled, step
+from lorc_fx.search.one_prefill import FULL, side_by_side, step
 
 Z95 = 1.959963984540054  # the normal quantile of a two-sided 95% interval
 
@@ -116,11 +115,8 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
 def _greedy_sharing_prefill(model: nn.Module, sample: Sample, plans: dict[str, Plan],
                             blocks: list[AttentionBlock], eos: list[int]) -> list[list[int]]:
     """The greedy tokens of the full cache, then of each plan's, after one prefill."""
-    logits, caches = prefilled(model, sample.input_ids, plans, blocks)
-    with angles_handed(model, blocks, *plans.values()):
-        return _greedy_steps(model, logits.expand(len(caches), -1),
-                             SideBySide([cache for _, cache, _ in caches]),
-                             len(sample.input_ids), eos).tolist()
+    with side_by_side(model, sample.input_ids, plans, blocks) as (logits, cache):
+        return _greedy_steps(model, logits, cache, len(sample.input_ids), eos).tolist()
 
 
 def _greedy_steps(model: nn.Module, logits: torch.Tensor, cache, prompt: int,

@@ -6,9 +6,11 @@ tokens it writes as it computed them (``cache.layers._PrefillAsComputed``), so t
 forward is the full model's whatever the plan: one forward serves them all, and a long
 prompt's forward costs far more than what each cache reads after it. Later writes (decode
 steps, a few answer tokens) are read back through the codes, as a decode step reads them;
-``SideBySide`` reads every cache in one forward of as many rows, each row its own cache.
+``side_by_side`` reads every cache in one forward of as many rows, each row its own cache.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -79,6 +81,17 @@ def prefilled(model: nn.Module, input_ids: list[int], plans: dict[str, Plan],
     return logits, [(FULL, tee, None), *((n, caches[n], p) for n, p in plans.items())]
 
 
+@contextmanager
+def side_by_side(model: nn.Module, input_ids: list[int], plans: dict[str, Plan],
+                 blocks: list[AttentionBlock]):
+    """One prefill of ``input_ids`` (:func:`prefilled`), then its caches, the full cache's
+    first and each plan's after, read as one (``SideBySide``) with every plan's RoPE angles
+    handed: yields the prefill's last logits, one row a cache, and that cache."""
+    logits, caches = prefilled(model, input_ids, plans, blocks)
+    with angles_handed(model, blocks, *plans.values()):
+        yield logits.expand(len(caches), -1), SideBySide([cache for _, cache, _ in caches])
+
+
 def step(model: nn.Module, tokens: torch.Tensor, cache, length: int) -> torch.Tensor:
     """The logits of every one of ``tokens`` (``(b, t)``) written to ``cache``, which then
     holds ``length`` tokens: ``(b, t, vocab)``."""
@@ -107,14 +120,12 @@ def answer_logprobs(model: nn.Module, prompts: list[tuple[list[int], list[int]]]
 def _answer_logprobs(model: nn.Module, prompt: list[int], answer: list[int],
                      plans: dict[str, Plan], blocks: list[AttentionBlock]) -> list[float]:
     """The answer's log-probability through the full cache, then each plan's."""
-    logits, caches = prefilled(model, prompt, plans, blocks)
-    first = float(logits[0].float().log_softmax(-1)[answer[0]])
-    if len(answer) == 1:
-        return [first] * len(caches)
-    rest = torch.tensor([answer[:-1]], device=logits.device).expand(len(caches), -1)
-    targets = torch.tensor(answer[1:], device=logits.device)
-    with angles_handed(model, blocks, *plans.values()):
-        read = step(model, rest, SideBySide([c for _, c, _ in caches]),
-                    len(prompt) + len(answer) - 1)
+    with side_by_side(model, prompt, plans, blocks) as (logits, cache):
+        first = float(logits[0].float().log_softmax(-1)[answer[0]])
+        if len(answer) == 1:
+            return [first] * len(logits)
+        rest = torch.tensor([answer[:-1]], device=logits.device).expand(len(logits), -1)
+        targets = torch.tensor(answer[1:], device=logits.device)
+        read = step(model, rest, cache, len(prompt) + len(answer) - 1)
     scored = read.float().log_softmax(-1)[:, torch.arange(len(targets)), targets]
     return (first + scored.sum(-1)).tolist()
