@@ -213,11 +213,17 @@ def sampling_key(options: CalibrationOptions) -> dict:
 
 
 def cache_path(model: nn.Module, blocks: list[AttentionBlock], options: CalibrationOptions) -> Path:
-    key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
-                      "k_weights": [b.k.weight for b in blocks if b.supported], **asdict(options),
-                      **sampling_key(options)},
-                     sort_keys=True)
-    return user_cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+    return calibration_file("", {"format": _FORMAT, "model": model_fingerprint(model),
+                                 "k_weights": [b.k.weight for b in blocks if b.supported],
+                                 **asdict(options), **sampling_key(options)})
+
+
+def calibration_file(kind: str, key: dict, suffix: str = ".pt") -> Path:
+    """Where what was measured under ``key`` is kept: the cache directory's ``calibration/``,
+    the file named by ``kind`` (a prefix: ``"self-"``, ``"split-"``, ...) and a hash of the
+    key as sorted JSON."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return user_cache_dir() / "calibration" / f"{kind}{digest[:20]}{suffix}"
 
 
 def measure_statistics(model: nn.Module, blocks: list[AttentionBlock],
@@ -269,9 +275,8 @@ def save_atomic(obj, path: Path, write=torch.save) -> None:
 
 def self_cache_path(model: nn.Module, start: int, window: int, seed: int) -> Path:
     """Where the sequences of ``seed`` sampled from ``model`` are kept."""
-    key = json.dumps({"model": model_fingerprint(model), "seed": seed, "window": window,
-                      "start": start, **SAMPLING}, sort_keys=True)
-    return user_cache_dir() / "calibration" / f"self-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+    return calibration_file("self-", {"model": model_fingerprint(model), "seed": seed,
+                                      "window": window, "start": start, **SAMPLING})
 
 
 def can_read(model: nn.Module, options: CalibrationOptions) -> bool:

@@ -14,8 +14,6 @@ half-bit widths gave the least loss at 2.56 and 1.92 bits per value.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 
 import torch
@@ -24,9 +22,9 @@ from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.codes.vector import VectorBook, VectorSpec, fit_measured
-from lorc_fx.data.models import user_cache_dir
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
-from lorc_fx.plan.calibration import model_fingerprint, sampling_key, save_atomic
+from lorc_fx.plan.calibration import (calibration_file, model_fingerprint, sampling_key,
+                                      save_atomic)
 from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.sensitivity import (ProjectionMoments, Side, sensitivities,
                                       sensitivities_and_latents)
@@ -101,12 +99,11 @@ def _books_file(model: nn.Module, full: Plan, what: str = "vector"):
     ``"vector"``; ``"sensitivity"``, the loss's sensitivities beside them): keyed by the
     model and the calibration text (the bases they were fitted under are kept in the file and
     compared on reading: their bytes vary with the thread count)."""
-    key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
-                      "calibration": repr(full.options.calibration),
-                      **sampling_key(full.options.calibration), "basis": full.options.basis,
-                      "rope": full.options.rope, "widths": WIDTHS, "tuple_dims": TUPLE_DIMS,
-                      "iters": FIT_ITERATIONS}, sort_keys=True)
-    return user_cache_dir() / "calibration" / f"{what}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pt"
+    return calibration_file(f"{what}-", {
+        "format": _FORMAT, "model": model_fingerprint(model),
+        "calibration": repr(full.options.calibration), **sampling_key(full.options.calibration),
+        "basis": full.options.basis, "rope": full.options.rope, "widths": WIDTHS,
+        "tuple_dims": TUPLE_DIMS, "iters": FIT_ITERATIONS})
 
 
 def _fitted_under(data: dict, bases: dict[str, torch.Tensor]) -> bool:

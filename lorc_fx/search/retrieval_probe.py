@@ -21,7 +21,6 @@ beside the calibration, keyed by the plan probed: a later plan of the same budge
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import statistics
@@ -33,9 +32,8 @@ from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache.layers import PREFILL_TOKENS
-from lorc_fx.data.models import user_cache_dir
 from lorc_fx.data.retrieval_tasks import NEW_TOKENS, make_samples
-from lorc_fx.plan.calibration import save_atomic
+from lorc_fx.plan.calibration import calibration_file, save_atomic
 from lorc_fx.plan.plan_file import plan_digest
 from lorc_fx.plan.planner import Plan
 
@@ -96,10 +94,9 @@ def kept_layer_damage(model: nn.Module, tokenizer, blocks: list[AttentionBlock],
     """:func:`layer_damage`, read from the cache directory where this plan was probed before
     at ``length`` (``calibration/retrieval-*.json``, keyed by ``plan_digest`` and the
     probe's prompts), else measured and kept there."""
-    key = json.dumps({"format": 1, "plan": plan_digest(plan), "task": TASK, "seed": SEED,
-                      "prompts": PROMPTS, "length": length}, sort_keys=True)
-    path = user_cache_dir() / "calibration" / \
-        f"retrieval-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    path = calibration_file("retrieval-", {"format": 1, "plan": plan_digest(plan), "task": TASK,
+                                           "seed": SEED, "prompts": PROMPTS, "length": length},
+                            ".json")
     if path.is_file():
         return {int(layer): d for layer, d in json.loads(path.read_text()).items()}
     damage = layer_damage(model, tokenizer, blocks, plan, length)

@@ -9,7 +9,6 @@ dims or too few value dims both hurt). The choice is cached on disk next to the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, replace
@@ -19,10 +18,10 @@ import torch
 from torch import nn
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.data.models import user_cache_dir
 from lorc_fx.plan.allocation import feasible_key_fractions
-from lorc_fx.plan.calibration import (calibration_tokenizer, calibration_windows,
-                                      model_fingerprint, sampling_key, save_atomic)
+from lorc_fx.plan.calibration import (calibration_file, calibration_tokenizer,
+                                      calibration_windows, model_fingerprint, sampling_key,
+                                      save_atomic)
 from lorc_fx.plan.options import DEFAULT_FRACTION, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers, process_plan
 from lorc_fx.search.windows import through_cache
@@ -69,12 +68,10 @@ def _cache_file(model: nn.Module, blocks: list[AttentionBlock], options: PlanOpt
         del asked["bits_per_value"]  # a plan as before budgets in bytes existed: same key
     else:
         asked["budget"] = "bytes"  # quantized latents' cache_fraction counted elements before
-    key = json.dumps({"format": _FORMAT, "model": model_fingerprint(model),
-                      "k_weights": [b.k.weight for b in blocks if b.supported],
-                      "options": asked,
-                      **sampling_key(options.calibration)},
-                     sort_keys=True, default=str)
-    return user_cache_dir() / "calibration" / f"split-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    return calibration_file("split-", {"format": _FORMAT, "model": model_fingerprint(model),
+                                       "k_weights": [b.k.weight for b in blocks if b.supported],
+                                       "options": asked, **sampling_key(options.calibration)},
+                            ".json")
 
 
 def held_out_calibration(options: PlanOptions) -> CalibrationOptions:
