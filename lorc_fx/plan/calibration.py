@@ -259,7 +259,7 @@ def layer_statistics(model: nn.Module, blocks: list[AttentionBlock],
 
 def save_atomic(obj, path: Path, write=torch.save) -> None:
     """``write(obj, file)`` to a temporary file and rename, so an interrupted run leaves no
-    partial cache."""
+    partial cache (``write``: ``torch.save``, or ``write_json`` for a JSON file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}-", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -269,6 +269,11 @@ def save_atomic(obj, path: Path, write=torch.save) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(obj, file) -> None:
+    """``obj`` written to ``file`` as JSON (a ``write`` of :func:`save_atomic`)."""
+    Path(file).write_text(json.dumps(obj, indent=1))
 
 
 # --- the self-generated calibration text ---------------------------------------------------

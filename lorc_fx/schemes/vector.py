@@ -45,6 +45,7 @@ from lorc_fx.plan.vector_allocation import code_budget, vector_bits
 from lorc_fx.search.candidates import plain_fits
 from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides
 from lorc_fx.search.context import Candidate, SearchContext, calibrated_basis
+from lorc_fx.search.one_prefill import reads_side_by_side
 from lorc_fx.search.retrieval_probe import kept_layer_damage, probe_length, retrieval_layers
 from lorc_fx.search.split import held_out_loss
 
@@ -277,10 +278,13 @@ def retrieval_favoured(model: nn.Module, tokenizer, blocks: list[AttentionBlock]
     if options.retrieval_weight == 1:
         return {}
     length = probe_length(model)
-    if length is None or tokenizer is None:
+    lacks = ("no tokenizer" if tokenizer is None
+             else "too short a context for the probe's prompts" if length is None
+             else "a cache with states beside its keys and values, which the probe does not "
+             "read side by side" if not reads_side_by_side(model) else None)
+    if lacks:
         log.warning("lorc_fx: vector codes favour no layer for retrieval: the model has %s",
-                    "no tokenizer" if tokenizer is None else "too short a context for the "
-                    "probe's prompts")
+                    lacks)
         return {}
     damage = kept_layer_damage(model, tokenizer, blocks, plan, length)
     favoured = retrieval_layers(damage)

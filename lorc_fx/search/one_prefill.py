@@ -14,8 +14,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
 
+from lorc_fx.analysis.cache_probe import own_cache_class
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.cache.layers import PREFILL_TOKENS
@@ -52,10 +53,29 @@ class SideBySide(Cache):
         self.caches = caches
         self.latents = [c for c in caches if isinstance(c, LatentCache)]
 
+    def _refused(self, *args, **kwargs):
+        raise TypeError("SideBySide only writes keys and values, each row to its own cache: "
+                        "crop, reorder or reset the caches themselves")
+
+    # what would act on the first cache's layers alone (``self.layers``) or write another state
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = reset = _refused
+    update_conv_state = update_recurrent_state = update_indexer = _refused
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         read = [c.update(key_states[i:i + 1], value_states[i:i + 1], layer_idx, *args, **kwargs)
                 for i, c in enumerate(self.caches)]
         return torch.cat([k for k, _ in read]), torch.cat([v for _, v in read])
+
+
+def reads_side_by_side(model: nn.Module) -> bool:
+    """Whether ``SideBySide`` can read ``model``'s caches: transformers' ``DynamicCache`` (not
+    a class of the model's own) whose every layer holds keys and values only (no linear
+    attention, convolution or indexer state beside them, which it does not split by row)."""
+    if own_cache_class(model) is not None:
+        return False
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    return not any(isinstance(layer, LinearAttentionCacheLayerMixin)
+                   or hasattr(layer, "update_indexer") for layer in cache.layers)
 
 
 Prefilled = list[tuple[str, object, Plan | None]]  # (name, cache, plan), the full cache first

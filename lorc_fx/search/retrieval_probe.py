@@ -25,7 +25,6 @@ import json
 import logging
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 from torch import nn
 from tqdm.auto import tqdm
@@ -33,7 +32,7 @@ from tqdm.auto import tqdm
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.data.retrieval_tasks import NEW_TOKENS, make_samples
-from lorc_fx.plan.calibration import calibration_file, save_atomic
+from lorc_fx.plan.calibration import calibration_file, save_atomic, write_json
 from lorc_fx.plan.plan_file import plan_digest
 from lorc_fx.plan.planner import Plan
 
@@ -100,7 +99,7 @@ def kept_layer_damage(model: nn.Module, tokenizer, blocks: list[AttentionBlock],
     if path.is_file():
         return {int(layer): d for layer, d in json.loads(path.read_text()).items()}
     damage = layer_damage(model, tokenizer, blocks, plan, length)
-    save_atomic(damage, path, write=lambda d, file: Path(file).write_text(json.dumps(d)))
+    save_atomic(damage, path, write=write_json)
     log.info("vector codes: the retrieval probe's measurements kept in %s", path)
     return damage
 

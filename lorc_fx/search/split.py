@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.plan.allocation import feasible_key_fractions
 from lorc_fx.plan.calibration import (calibration_file, calibration_tokenizer,
                                       calibration_windows, model_fingerprint, sampling_key,
-                                      save_atomic)
+                                      save_atomic, write_json)
 from lorc_fx.plan.options import DEFAULT_FRACTION, CalibrationOptions, PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers, process_plan
 from lorc_fx.search.windows import through_cache
@@ -137,5 +136,5 @@ def measured_split(model: nn.Module, blocks: list[AttentionBlock], inputs: list[
     bar.close()
     save_atomic({"key_fraction": grid[best], "loss": losses[best],
                  "losses": {f"{grid[i]:.4f}": v for i, v in sorted(losses.items())}},
-                path, lambda data, file: Path(file).write_text(json.dumps(data, indent=1)))
+                path, write_json)
     return grid[best], losses[best]

@@ -7,11 +7,15 @@ import logging
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from transformers.cache_utils import DynamicLayer
 
+from lorc_fx.analysis.cache_probe import fresh_cache
 from lorc_fx.api import plan
 from lorc_fx.plan import calibration, sampling
 from lorc_fx.plan.calibration import CalibrationOptions, usable_calibration
 from lorc_fx.report import plan_table
+
+from helpers.families import build, config_for
 
 
 def bare_copy(model, **config):
@@ -58,6 +62,17 @@ def test_nucleus_pick_matches_a_full_sort(seed, vocab, temperature, top_p):
     before = values.cumsum(-1) - values
     rank = (order == expected).double().argmax(-1)
     assert (before.gather(-1, rank[:, None]) < top_p).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "lfm2"])
+def test_sampling_reads_its_preallocated_layers_as_a_growing_cache(family, monkeypatch):
+    # gemma3: sliding-window layers beside full ones; lfm2: convolution layers (kept as built)
+    model = build(config_for(family))
+    kinds = {type(layer) for layer in getattr(sampling.sampling_cache(model, 8), "layers", [])}
+    assert DynamicLayer not in kinds and (family == "lfm2" or sampling._Preallocated in kinds)
+    preallocated = sampling.sample_sequences(model, 1, 24, [0, 1, 2])
+    monkeypatch.setattr(sampling, "sampling_cache", lambda model, capacity: fresh_cache(model))
+    assert torch.equal(sampling.sample_sequences(model, 1, 24, [0, 1, 2]), preallocated)
 
 
 def test_self_generated_windows_are_cached_and_do_not_depend_on_the_count(loaded, monkeypatch,

@@ -8,7 +8,10 @@ import torch
 import lorc_fx
 from lorc_fx.cache import angles_handed
 from lorc_fx.data.retrieval_tasks import make_samples
-from lorc_fx.search.one_prefill import FULL, answer_logprobs, prefilled, step
+from lorc_fx.search.one_prefill import (FULL, SideBySide, answer_logprobs, prefilled,
+                                       reads_side_by_side, side_by_side, step)
+
+from helpers.families import build, config_for
 
 
 @pytest.fixture
@@ -55,3 +58,20 @@ def test_answers_read_side_by_side_score_as_decode_steps_read_each_cache(prompts
                 logits = step(model, torch.tensor([[token]]), cache, len(ids) + i + 1)[:, -1]
                 total += float(logits[0].float().log_softmax(-1)[answer[i + 1]])
         assert got == pytest.approx(total, abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "lfm2", "qwen3_next", "falcon_h1", "zamba2"])
+def test_only_caches_of_keys_and_values_alone_are_read_side_by_side(family):
+    # hybrids keep a convolution or recurrent state beside (or instead of) keys and values,
+    # which SideBySide does not split by row: the retrieval probe declines them (said)
+    assert reads_side_by_side(build(config_for(family))) == (family == "llama")
+
+
+def test_what_would_act_on_the_first_cache_alone_is_refused(prompts_and_plan):
+    model, blocks, prompts, plans = prompts_and_plan
+    with side_by_side(model, prompts[0][0], plans, blocks) as (_, cache):
+        assert isinstance(cache, SideBySide) and len(cache.caches) == 3
+        for act in (lambda: cache.crop(-1), lambda: cache.reorder_cache(torch.tensor([0])),
+                    lambda: cache.batch_select_indices(torch.tensor([0])), cache.reset):
+            with pytest.raises(TypeError, match="crop, reorder or reset the caches themselves"):
+                act()
