@@ -12,11 +12,13 @@ import logging
 import os
 import platform
 import subprocess
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+_BUILDING = threading.Lock()  # threads asking for a kernel at once build it once
 
 
 def _cpu_flags() -> str:
@@ -40,6 +42,12 @@ def build(source: Path, purpose: str) -> ctypes.CDLL | None:
     key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(),
                                      compiler.encode(), _cpu_flags().encode()])).hexdigest()
     path = Path(cache_dir()) / "lorc" / f"{source.stem}-{key[:20]}.so"
+    with _BUILDING:
+        return _built(source, purpose, compiler, path)
+
+
+def _built(source: Path, purpose: str, compiler: str, path: Path) -> ctypes.CDLL | None:
+    """``source`` compiled by ``compiler`` at ``path`` where it is not there yet, loaded."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")

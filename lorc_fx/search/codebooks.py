@@ -15,6 +15,7 @@ half-bit widths gave the least loss at 2.56 and 1.92 bits per value.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -70,20 +71,31 @@ def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WID
               tuple_dims: int = TUPLE_DIMS, iters: int = FIT_ITERATIONS
               ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
     """Per side, a book of its whole latent at each width, and its coding errors on the
-    samples: each channel's squared error over its squared values (shows progress)."""
-    books: Books = {}
-    errors: dict[Side, dict[float, torch.Tensor]] = {}
-    with tqdm(total=len(samples) * len(widths), desc="lorc: fitting vector codebooks",
-              unit="book") as bar:
-        for key, x in samples.items():
-            books[key], errors[key] = {}, {}
-            power = (x.double() ** 2).sum(0).clamp_min(1e-30)
-            for b in widths:
-                books[key][b], squared = fit_measured(
-                    x, VectorSpec(((x.shape[1], b),), tuple_dims), iters=iters,
-                    assign=nearest_codeword)
-                errors[key][b] = squared / power
+    samples: each channel's squared error over its squared values (shows progress).
+
+    The books are fitted side by side, one a thread, each with one thread of its own
+    (``torch.set_num_threads(1)`` while they run): a book's Lloyd steps are small products
+    that two threads share poorly, and a book fitted alone on one thread does not depend on
+    how many the machine runs."""
+    def fit(side: Side, width: float) -> tuple[VectorBook, torch.Tensor]:
+        x = samples[side]
+        book, squared = fit_measured(x, VectorSpec(((x.shape[1], width),), tuple_dims),
+                                     iters=iters, assign=nearest_codeword)
+        return book, squared / (x.double() ** 2).sum(0).clamp_min(1e-30)
+
+    jobs = [(side, width) for side in samples for width in widths]
+    books: Books = {side: {} for side in samples}
+    errors: dict[Side, dict[float, torch.Tensor]] = {side: {} for side in samples}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=len(jobs), desc="lorc: fitting vector codebooks", unit="book") as bar:
+            for (side, width), (book, error) in zip(jobs, pool.map(lambda job: fit(*job), jobs)):
+                books[side][width], errors[side][width] = book, error
                 bar.update()
+    finally:
+        torch.set_num_threads(threads)
     return books, errors
 
 
