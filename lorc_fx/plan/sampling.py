@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-
 from transformers.cache_utils import DynamicLayer
 
 from lorc_fx.analysis.cache_probe import fresh_cache
@@ -73,7 +72,8 @@ def _pick_sorted(values: torch.Tensor, order: torch.Tensor, top_p: float,
 class _Preallocated(DynamicLayer):
     """A ``DynamicLayer`` that writes into buffers of ``capacity`` tokens and hands back views of
     the tokens written: the same keys and values, without the concatenation that copies the
-    whole layer every step (a tenth of a sampling step at 256 tokens on the default model)."""
+    whole layer every step (13% of the time of sampling 40 sequences of 256 tokens from the
+    default model)."""
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -111,9 +111,9 @@ def sampling_cache(model: nn.Module, capacity: int):
 def sample_sequences(model: nn.Module, start: int, length: int, seeds: list[int],
                      step: Callable[[int], None] | None = None) -> torch.Tensor:
     """``(len(seeds), length)`` token ids, ``start`` first, sequence ``i`` drawn with a
-    generator seeded ``seeds[i]``; decoded with a plain cache (``fresh_cache``; also on a model
-    whose ``generate`` was given a latent cache; ``sampling_cache``). ``step(n)`` is called after every decode
-    step with the ``n`` tokens it produced (a progress bar's ``update``)."""
+    generator seeded ``seeds[i]``; decoded with a plain cache (``sampling_cache``; also on a
+    model whose ``generate`` was given a latent cache). ``step(n)`` is called after every
+    decode step with the ``n`` tokens it produced (a progress bar's ``update``)."""
     device = next(model.parameters()).device
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     ids = torch.full((len(seeds), 1), start, dtype=torch.long)
