@@ -77,7 +77,7 @@ class _Preallocated(DynamicLayer):
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.capacity = capacity
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -89,10 +89,10 @@ class _Preallocated(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        self._keys[..., self.length:end, :] = key_states
-        self._values[..., self.length:end, :] = value_states
-        self.length = end
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        self._keys[..., start:end, :] = key_states
+        self._values[..., start:end, :] = value_states
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 

@@ -278,10 +278,15 @@ def retrieval_favoured(model: nn.Module, tokenizer, blocks: list[AttentionBlock]
     if options.retrieval_weight == 1:
         return {}
     length = probe_length(model)
-    lacks = ("no tokenizer" if tokenizer is None
-             else "too short a context for the probe's prompts" if length is None
-             else "a cache with states beside its keys and values, which the probe does not "
-             "read side by side" if not reads_side_by_side(model) else None)
+    if tokenizer is None:
+        lacks = "no tokenizer"
+    elif length is None:
+        lacks = "too short a context for the probe's prompts"
+    elif not reads_side_by_side(model):
+        lacks = ("a cache with states beside its keys and values, which the probe does not "
+                 "read side by side")
+    else:
+        lacks = None
     if lacks:
         log.warning("lorc_fx: vector codes favour no layer for retrieval: the model has %s",
                     lacks)

@@ -77,11 +77,13 @@ def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WID
     (``torch.set_num_threads(1)`` while they run): a book's Lloyd steps are small products
     that two threads share poorly, and a book fitted alone on one thread does not depend on
     how many the machine runs."""
+    power = {side: (x.double() ** 2).sum(0).clamp_min(1e-30) for side, x in samples.items()}
+
     def fit(side: Side, width: float) -> tuple[VectorBook, torch.Tensor]:
         x = samples[side]
         book, squared = fit_measured(x, VectorSpec(((x.shape[1], width),), tuple_dims),
                                      iters=iters, assign=nearest_codeword)
-        return book, squared / (x.double() ** 2).sum(0).clamp_min(1e-30)
+        return book, squared / power[side]
 
     jobs = [(side, width) for side in samples for width in widths]
     books: Books = {side: {} for side in samples}
