@@ -4,13 +4,14 @@
         [--trials 24] [--seed 7] [--shard K/N] [--merge A.json,...] [--out PREFIX]
 
 For each prompt, one forward writes the full cache and caches of variants of the saved plan
-(``--plan``): every layer coded (the plan), none coded (each layer's latents kept as floats
-at the plan's ranks), and every layer but one left uncoded (``search.retrieval_probe``, what
-the planner measures on prompts of its own seed). Each then reads the answer's tokens
-(``search.one_prefill.answer_logprobs``; the results of 2026-11-28 read them one step at a
-time, which the tests show the same), and the table gives per
-layer the mean change of the answer's log-probability when only that layer is coded, and
-its mean absolute change (what moves the answer either way), against no layer coded.
+(``--plan``): every layer coded (the plan), and each layer coded alone, every other layer's
+keys and values as they came (``search.retrieval_probe``, what the planner measures on
+prompts of its own seed; before 2026-11-29 the other layers kept their latents as floats at
+the plan's ranks, the baseline "no layer coded" of the saved results). Each then reads the
+answer's tokens (``search.one_prefill.answer_logprobs``; the results of 2026-11-28 read them
+one step at a time, which the tests show the same), and the table gives per layer the mean
+change of the answer's log-probability when only that layer is coded, and its mean absolute
+change (what moves the answer either way), against the full cache.
 Greedy accuracy is ``bench/retrieval.py``'s; the log-probability moves before an answer
 flips, so two dozen prompts tell layers apart.
 
@@ -34,19 +35,20 @@ from lorc_fx.data.models import load_tokenizer
 from lorc_fx.data.retrieval_tasks import TASKS, make_samples
 from lorc_fx.eval.retrieval import parse_lengths
 from lorc_fx.search.one_prefill import answer_logprobs
-from lorc_fx.search.retrieval_probe import NONE_CODED, one_layer_coded
+from lorc_fx.search.one_prefill import FULL
+from lorc_fx.search.retrieval_probe import one_layer_coded
 
 
 def variants(plan):
-    """The plan (every layer coded), then no layer coded and each layer coded alone."""
+    """The plan (every layer coded), then each layer coded alone."""
     return {"every layer": plan, **one_layer_coded(plan)}
 
 
 def table(scores: dict[str, list[float]]) -> list[str]:
-    """Markdown rows: per variant the mean answer log-probability and, against no layer
-    coded, its mean change and mean absolute change, per prompt."""
-    base = scores[NONE_CODED]
-    rows = ["| cache | mean answer log-probability | mean change against no layer coded "
+    """Markdown rows: per cache the mean answer log-probability and, against the full
+    cache, its mean change and mean absolute change, per prompt."""
+    base = scores[FULL]
+    rows = ["| cache | mean answer log-probability | mean change against the full cache "
             "| mean absolute change |", "|---|---|---|---|"]
     for name, values in scores.items():
         change = [v - b for v, b in zip(values, base, strict=True)]

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 import lorc_fx
+from lorc_fx.cache.latent_cache import codecs
 from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.search import retrieval_probe
 
@@ -49,8 +50,9 @@ def test_coarser_codes_move_the_answers_further_layer_by_layer(loaded, int4_plan
     assert coarse.keys() == fine.keys() == {l.layer for l in int4_plan.layers}
     assert all(coarse[l] > fine[l] >= 0 for l in coarse)
 
-    floats = retrieval_probe.coded_only(int4_plan, {1})  # layer 0 uncoded: not probed
-    assert retrieval_probe.layer_damage(model, tok, blocks, floats, length).keys() == {
+    alone = retrieval_probe.coded_only(int4_plan, {1})  # layer 0 left out: not probed
+    assert codecs(alone).keys() == {int4_plan.layers[1].layer}  # its cache: the full one's
+    assert retrieval_probe.layer_damage(model, tok, blocks, alone, length).keys() == {
         int4_plan.layers[1].layer}
 
 
