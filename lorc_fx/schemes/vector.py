@@ -5,16 +5,16 @@ fitted by k-means on calibration latents (``search.codebooks``; no per-token sca
 row's first token kept as it came (the attention sink, ``cache.stores.vector``).
 
 Planned only where no plain quantization fits the budget (below 4.5 bits per value on the
-default model): its first fit takes minutes. A channel's relative error is weighed by the
-spectra's energies or by what the loss minds it (``plan.sensitivity``: diagonal Fisher times
-the channel's power, where a side's latent is linear in its projection); which weights, and
-which share of the bits the keys get (``KEY_SHARES``), are chosen by the held-out
-calibration loss: the shares walked under the sensitivities, the energies measured at the
-share they chose. The shares bracket the best found under either weighting (0.35-0.45 under
-the energies, 0.40-0.45 under the sensitivities at 1.92-3 bits, in the run behind
-bench/results/bits_pareto-cpu.md, which logs each at INFO); the sensitivities' best had the
-lower held-out loss there at every budget, by 0.002-0.007 nats, small enough that the
-energies stay a candidate.
+default model): its first fit takes minutes. A channel's relative error is weighed by what
+the loss minds it (``plan.sensitivity``: diagonal Fisher times the channel's power, where a
+side's latent is linear in its projection), else by the spectra's energies; which share of
+the bits the keys get (``KEY_SHARES``) is chosen by the held-out calibration loss. The shares
+bracket the best found under either weighting (0.35-0.45 under the energies, 0.40-0.45 under
+the sensitivities at 1.92-3 bits, in the run behind bench/results/bits_pareto-cpu.md, which
+logs each at INFO). Where both can weigh, the sensitivities' best had the lower held-out loss
+at every budget measured: by 0.002-0.007 nats there, by 0.013-0.015 at 1.92, 2.56 and 3 bits
+on 2026-11-29 (the energies at the sensitivities' share), so the energies are no longer
+measured beside them (a held-out loss, 6 s of a first plan).
 
 Then the layers retrieval leans on (``search.retrieval_probe``: those whose codes alone move
 multikey answers most) weigh ``PlanOptions.retrieval_weight`` (16) times more, at the weights
@@ -202,10 +202,9 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
                      inputs: list[LayerInput], note: str,
                      projections: ProjectionMoments | None = None) -> tuple[Plan, float]:
     """The vector plan at ``options``' budget (``options.rope`` resolved to one mode, its
-    basis to the one ``inputs`` carry) with the least held-out loss over the channels'
-    weights (the spectra's energies, the loss's sensitivities where measurable) and the keys'
-    share of ``KEY_SHARES``, then the layers retrieval leans on favoured at those weights
-    and share (:func:`retrieval_favoured`), and its loss (``projections``: what a first
+    basis to the one ``inputs`` carry), its channels weighed by the loss's sensitivities where
+    measurable (else the spectra's energies), with the least held-out loss over the keys'
+    share of ``KEY_SHARES``, then the layers retrieval leans on favoured at that share (:func:`retrieval_favoured`), and its loss (``projections``: what a first
     calibration measured for the sensitivities,
     :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
@@ -215,28 +214,23 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     windows = calibration_windows(tokenizer, calibration, model)
     books, rho, sensitivities = books_and_sensitivities(model, blocks, full, windows,
                                                         projections)
-    measured: dict[tuple[str, float], tuple[float, Plan]] = {}
-    weighed = {"the loss's sensitivities": sensitivities, "the spectra's energies": None}
+    measured: dict[float, tuple[float, Plan]] = {}
+    weighed = "the spectra's energies" if sensitivities is None else "the loss's sensitivities"
 
-    def loss_at(name: str, share: float) -> float:
-        plan = vector_plan(full, inputs, options, books, rho, share, weighed[name])
+    def loss_at(share: float) -> float:
+        plan = vector_plan(full, inputs, options, books, rho, share, sensitivities)
         loss = held_out_loss(model, blocks, plan)
         log.info("vector codes, channels weighed by %s, keys' share %.2f: held-out loss %.4f",
-                 name, share, loss)
-        measured[name, share] = loss, plan
+                 weighed, share, loss)
+        measured[share] = loss, plan
         return loss
 
-    energies = "the spectra's energies"
-    if sensitivities is None:
-        least_over_shares(lambda share: loss_at(energies, share))
-    else:  # the energies at the sensitivities' share only: their best lost at every budget
-        share = least_over_shares(lambda share: loss_at("the loss's sensitivities", share))
-        loss_at(energies, share)
-    (name, share), (loss, plan) = min(measured.items(), key=lambda item: item[1][0])
+    share = least_over_shares(loss_at)
+    loss, plan = measured[share]
 
     def favouring(weight: float, favoured: dict[int, str]) -> tuple[Plan, float]:
         at = replace(options, retrieval_weight=weight)
-        plan = vector_plan(full, inputs, at, books, rho, share, weighed[name], favoured)
+        plan = vector_plan(full, inputs, at, books, rho, share, sensitivities, favoured)
         return plan, held_out_loss(model, blocks, plan)
 
     plan, loss = favour_retrieval(model, tokenizer, blocks, options, plan, loss, favouring)
