@@ -277,8 +277,8 @@ def retrieval_favoured(model: nn.Module, tokenizer, blocks: list[AttentionBlock]
     elif length is None:
         lacks = "too short a context for the probe's prompts"
     elif not reads_side_by_side(model):
-        lacks = ("a cache with states beside its keys and values, which the probe does not "
-                 "read side by side")
+        lacks = ("a cache of its own class, an indexer's keys, or layers holding keys and "
+                 "states both, which the probe does not read side by side")
     else:
         lacks = None
     if lacks:

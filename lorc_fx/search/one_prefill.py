@@ -7,14 +7,18 @@ forward is the full model's whatever the plan: one forward serves them all, and 
 prompt's forward costs far more than what each cache reads after it. Later writes (decode
 steps, a few answer tokens) are read back through the codes, as a decode step reads them;
 ``side_by_side`` reads every cache in one forward of as many rows, each row its own cache.
+A hybrid model's convolution and recurrent states are the full model's after the prefill
+(written to the full cache alone), one copy a row from then on.
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicCache,
+                                      LinearAttentionCacheLayerMixin)
 
 from lorc_fx.analysis.cache_probe import own_cache_class
 from lorc_fx.analysis.records import AttentionBlock
@@ -42,24 +46,29 @@ class _PrefillTee(DynamicCache):
 
 class SideBySide(Cache):
     """Caches of one row each, holding the same tokens, read as one cache whose row ``i`` is
-    ``caches[i]``: each row's write goes to its own cache, which hands back what it reads, so
-    one forward reads them all as each alone would, the weights read once rather than once a
-    cache. Only reads: what the model asks before writing (sequence length, mask sizes) is
-    the first cache's layers', every cache's alike. ``angles_handed`` reaches the latent
-    caches among them (``latents``)."""
+    ``caches[i]``: each row's write of keys and values goes to its own cache, which hands back
+    what it reads, so one forward reads them all as each alone would, the weights read once
+    rather than once a cache. What the model asks before writing (sequence length, mask
+    sizes) is the first cache's layers', every cache's alike. A linear-attention layer's
+    convolution and recurrent states (a hybrid model's) are the first cache's, copied to
+    every row, each row's written in place from then on: the rows differ in their keys and
+    values alone until read. ``angles_handed`` reaches the latent caches among them
+    (``latents``)."""
 
     def __init__(self, caches: list[Cache]):
-        super().__init__(layers=caches[0].layers)
+        rows = torch.zeros(len(caches), dtype=torch.long)
+        super().__init__(layers=[_one_a_row(layer, rows) for layer in caches[0].layers])
         self.caches = caches
         self.latents = [c for c in caches if isinstance(c, LatentCache)]
 
     def _refused(self, *args, **kwargs):
-        raise TypeError("SideBySide only writes keys and values, each row to its own cache: "
-                        "crop, reorder or reset the caches themselves")
+        raise TypeError("SideBySide only writes keys and values, each row to its own cache, "
+                        "and linear-attention states: crop, reorder or reset the caches "
+                        "themselves")
 
     # what would act on the first cache's layers alone (``self.layers``) or write another state
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = reset = _refused
-    update_conv_state = update_recurrent_state = update_indexer = _refused
+    update_indexer = _refused
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         read = [c.update(key_states[i:i + 1], value_states[i:i + 1], layer_idx, *args, **kwargs)
@@ -67,14 +76,26 @@ class SideBySide(Cache):
         return torch.cat([k for k, _ in read]), torch.cat([v for _, v in read])
 
 
+def _one_a_row(layer, rows: torch.Tensor):
+    """A linear-attention ``layer``'s copy with its states' first row at each of ``rows``
+    (``SideBySide``'s own); any other layer as it is."""
+    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+        return layer
+    copied = copy.deepcopy(layer)
+    copied.reorder_cache(rows)
+    return copied
+
+
 def reads_side_by_side(model: nn.Module) -> bool:
     """Whether ``SideBySide`` can read ``model``'s caches: transformers' ``DynamicCache`` (not
-    a class of the model's own) whose every layer holds keys and values only (no linear
-    attention, convolution or indexer state beside them, which it does not split by row)."""
+    a class of the model's own) whose every layer holds keys and values or linear-attention
+    states, not both (one copy would not follow the rows' keys) and no indexer's keys (which
+    it does not split by row)."""
     if own_cache_class(model) is not None:
         return False
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    return not any(isinstance(layer, LinearAttentionCacheLayerMixin)
+    return not any((isinstance(layer, LinearAttentionCacheLayerMixin)
+                    and isinstance(layer, CacheLayerMixin))
                    or hasattr(layer, "update_indexer") for layer in cache.layers)
 
 

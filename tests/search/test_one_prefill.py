@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import lorc_fx
-from lorc_fx.cache import angles_handed
+from lorc_fx.analysis.cache_probe import fresh_cache
+from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.data.retrieval_tasks import make_samples
 from lorc_fx.search.one_prefill import (FULL, SideBySide, answer_logprobs, prefilled,
                                        reads_side_by_side, side_by_side, step)
@@ -61,10 +62,37 @@ def test_answers_read_side_by_side_score_as_decode_steps_read_each_cache(prompts
 
 
 @pytest.mark.parametrize("family", ["llama", "lfm2", "qwen3_next", "falcon_h1", "zamba2"])
-def test_only_caches_of_keys_and_values_alone_are_read_side_by_side(family):
-    # hybrids keep a convolution or recurrent state beside (or instead of) keys and values,
-    # which SideBySide does not split by row: the retrieval probe declines them (said)
-    assert reads_side_by_side(build(config_for(family))) == (family == "llama")
+def test_transformers_caches_are_read_side_by_side_and_caches_of_a_models_own_class_not(family):
+    # LFM2's convolution and Qwen3-Next's linear-attention states sit in transformers' cache
+    # layers, one copy a row; Falcon-H1 and Zamba2 cache in classes of their own: the
+    # retrieval probe declines them (said)
+    assert reads_side_by_side(build(config_for(family))) == (family not in ("falcon_h1",
+                                                                             "zamba2"))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_a_hybrids_answers_read_side_by_side_score_as_each_cache_read_alone(family):
+    model = build(config_for(family, layers=4))
+    blocks = lorc_fx.analyze(model)
+    plans = {bits: lorc_fx.compress(model, fraction, latent_bits=bits, basis="weight",
+                                    schedule="uniform", progress=False, blocks=blocks).plan
+             for fraction, bits in ((0.75, 16), (0.6, 4))}
+    generator = torch.Generator().manual_seed(0)
+    ids, answer = (torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist()
+                   for n in (40, 4))
+    scores = answer_logprobs(model, [(ids, answer)], plans, blocks)
+    for name, plan in [(FULL, None), *plans.items()]:
+        cache = fresh_cache(model) if plan is None else \
+            LatentCache.from_cache(fresh_cache(model), plan)
+        with angles_handed(model, blocks, plan):  # the prompt, then one token a step
+            logits = model(torch.tensor([ids]), past_key_values=cache).logits[0, -1]
+            total = float(logits.log_softmax(-1)[answer[0]])
+            for i, token in enumerate(answer[:-1]):
+                logits = step(model, torch.tensor([[token]]), cache, len(ids) + i + 1)[0, -1]
+                total += float(logits.log_softmax(-1)[answer[i + 1]])
+        assert scores[name] == [pytest.approx(total, abs=1e-4)]
+    assert len({s[0] for s in scores.values()}) == 3  # each row reads its own cache
 
 
 def test_what_would_act_on_the_first_cache_alone_is_refused(prompts_and_plan):
@@ -73,5 +101,5 @@ def test_what_would_act_on_the_first_cache_alone_is_refused(prompts_and_plan):
         assert isinstance(cache, SideBySide) and len(cache.caches) == 3
         for act in (lambda: cache.crop(-1), lambda: cache.reorder_cache(torch.tensor([0])),
                     lambda: cache.batch_select_indices(torch.tensor([0])), cache.reset):
-            with pytest.raises(TypeError, match="crop, reorder or reset the caches themselves"):
+            with pytest.raises(TypeError, match="crop, reorder or reset the caches"):
                 act()
