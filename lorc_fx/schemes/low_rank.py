@@ -8,14 +8,14 @@ The search offers every RoPE mode at every latent width and group, narrowest wid
 with a calibrated basis and the calibrated schedule each measures its key/value split
 (``search.split``), once per mode and width (further group sizes reuse it). At one budget a
 wider latent buys finer codes with fewer ranks; where the loss rose from one width to the
-next of a mode, a wider width still is not measured (``Skipped``): on the default model the
-loss rose from 4- to 8- to 16-bit latents in every mode at every budget from 1.92 to 4.5 bits
-per value, by 0.13 nats or more a step (bench/results/bits_pareto-cpu.md), and each width's
-split search took ~40 s at one thread.
+next of a mode, a wider width still is not measured (``Candidate.skipped``): on the default
+model the loss rose from 4- to 8- to 16-bit latents in every mode at every budget from 1.92
+to 4.5 bits per value, by 0.13 nats or more a step (bench/results/bits_pareto-cpu.md), and
+each width's split search took ~40 s at one thread.
 
 Where vector codes planned at the budget (below what plain quantization fits), no low-rank
-candidate is measured (``Skipped``): vector codes give each latent channel of the same
-calibrated basis, keys before RoPE, 0.5 to 6 bits or drop it, so their allocation spans
+candidate is measured (``Candidate.skipped``): vector codes give each latent channel of the
+same calibrated basis, keys before RoPE, 0.5 to 6 bits or drop it, so their allocation spans
 ``reconstruct``'s ranks and 4-bit widths with no scales to store, and ``commute`` is low rank
 over a basis constrained to turn with RoPE, which keeps no more at a rank. On the default
 model they beat every low-rank candidate by 0.08, 0.15 and 0.31 nats at 3, 2.56 and 1.92
@@ -33,7 +33,7 @@ from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import LayerInput, Plan, plan_layers
 from lorc_fx.plan.scheme import LOW_RANK, Capabilities, Scheme, rank_table, register
 from lorc_fx.schemes.vector import VECTOR
-from lorc_fx.search.context import CALIBRATED_BASES, Candidate, SearchContext, Skipped
+from lorc_fx.search.context import CALIBRATED_BASES, Candidate, SearchContext
 from lorc_fx.search.split import held_out_loss, measured_split
 from torch import nn
 
@@ -47,7 +47,8 @@ class LowRank(Scheme):
         """Every RoPE mode at every latent width, narrowest first (below 16 bits at every
         group, the first group first)."""
         return [Candidate(self._name(mode, bits, group), self.name,
-                          partial(self._build, search, mode, bits, group), mode, bits, group)
+                          partial(self._build, search, mode, bits, group), mode, bits, group,
+                          partial(_skipped, search, mode, bits))
                 for mode in search.modes for bits in sorted(search.widths)
                 for group in (search.groups if bits != 16 else search.groups[:1])]
 
@@ -58,8 +59,6 @@ class LowRank(Scheme):
 
     def _build(self, search: SearchContext, rope: str, bits: int, group: int
                ) -> tuple[Plan, float | None]:
-        _skip_where_vector_codes_planned(search)
-        _skip_past_rising_loss(search, rope, bits)
         resolved, inputs, note = search.prepared(rope)
         # RoPE modes are compared where the basis is calibrated; bit widths always
         measured = search.measure and (resolved.basis in CALIBRATED_BASES or search.searched)
@@ -93,23 +92,20 @@ class LowRank(Scheme):
         return lines
 
 
-def _skip_where_vector_codes_planned(search: SearchContext) -> None:
-    """Raise ``Skipped`` where a vector-coded plan was measured at this budget (the module's
-    docstring says why it covers low rank)."""
+def _skipped(search: SearchContext, rope: str, bits: int) -> str | None:
+    """Why the candidate of mode ``rope`` at ``bits`` need not be measured: a vector-coded
+    plan was measured at this budget (the module's docstring says why it covers low rank), or
+    the two narrower widths measured in mode ``rope`` lost more at the wider of them."""
     loss = search.scheme_losses.get(VECTOR.name)
     if loss is not None:
-        raise Skipped(f"vector codes planned at this budget (held-out loss {loss:.4f}), and "
-                      "their allocation covers low rank's ranks and widths in the same basis")
-
-
-def _skip_past_rising_loss(search: SearchContext, rope: str, bits: int) -> None:
-    """Raise ``Skipped`` where the two narrower widths measured in mode ``rope`` lost more at
-    the wider of them."""
+        return (f"vector codes planned at this budget (held-out loss {loss:.4f}), and their "
+                "allocation covers low rank's ranks and widths in the same basis")
     narrower = sorted(w for w in search.widths if w < bits)[-2:]
     losses = [search.width_losses.get((rope, w)) for w in narrower]
     if len(narrower) == 2 and None not in losses and losses[1] > losses[0]:
-        raise Skipped(f"{narrower[1]}-bit latents lost {losses[1]:.4f} nats against "
-                      f"{narrower[0]}-bit ones' {losses[0]:.4f} (a wider latent buys fewer ranks)")
+        return (f"{narrower[1]}-bit latents lost {losses[1]:.4f} nats against {narrower[0]}-bit "
+                f"ones' {losses[0]:.4f} (a wider latent buys fewer ranks)")
+    return None
 
 
 def planned(model: nn.Module, blocks: list[AttentionBlock], options: PlanOptions,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 from lorc_fx.plan.options import Budget
 from lorc_fx.plan.planner import Plan, plain_quantized_plan
@@ -60,7 +61,7 @@ def candidates(search: SearchContext) -> list[Candidate]:
 
 
 def best_candidate(listed: list[Candidate], progress: bool = True,
-                   enough: float | None = None, budget: Budget | None = None,
+                   enough: Callable[[], float] | None = None, budget: Budget | None = None,
                    scheme_losses: dict[str, float] | None = None
                    ) -> tuple[Plan, float | None]:
     """The plan of the candidate with the least held-out loss, and that loss (each
@@ -69,11 +70,12 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
     (``UnreachableFraction``) or over it (``over_budget``, where there is more than one
     candidate) are left out; where none plans, the refusal is raised (where there were
     several, one naming the ``budget``, the least any candidate reaches and that candidate's
-    refusal, else why each was refused). A loss at most ``enough`` ends the search; a build
-    that raises ``Skipped`` is recorded after them with the reason. Each
-    scheme's least loss so far is kept in ``scheme_losses`` (the later candidates' builds read
-    it: ``SearchContext.scheme_losses``). The plan returned records every candidate measured,
-    best first, in ``Plan.candidates``."""
+    refusal, else why each was refused). A loss at most ``enough()`` ends the search before
+    the next candidate is built (asked there, and only there: it may cost a measurement); a
+    candidate ``skipped`` or whose build raises ``Skipped`` is recorded after them with the
+    reason. Each scheme's least loss so far is kept in ``scheme_losses`` (the later
+    candidates read it: ``SearchContext.scheme_losses``). The plan returned records every
+    candidate measured, best first, in ``Plan.candidates``."""
     from tqdm.auto import tqdm
 
     planned: list[tuple[float, Candidate, Plan]] = []
@@ -84,6 +86,13 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
     for candidate in bar:
         bar.set_postfix_str(candidate.name)
         try:
+            why = candidate.skipped()
+            if why is not None:
+                raise Skipped(why)
+            if planned and enough is not None and min(p[0] for p in planned) <= enough():
+                bar.set_postfix_str(f"{min(planned, key=lambda p: p[0])[1].name}: within noise "
+                                    "of the full cache, search ends")
+                break
             plan, loss = candidate.build()
         except UnreachableFraction as err:
             refused.append(err)
@@ -104,9 +113,6 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
         planned.append((loss, candidate, plan))
         if scheme_losses is not None:
             scheme_losses[candidate.scheme] = min(loss, scheme_losses.get(candidate.scheme, loss))
-        if enough is not None and loss <= enough:
-            bar.set_postfix_str(f"{candidate.name}: within noise of the full cache, search ends")
-            break
     bar.close()
     if not planned:
         raise refused[0] if len(refused) == 1 or budget is None else _out_of_reach(refused,

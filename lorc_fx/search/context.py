@@ -28,11 +28,16 @@ def calibrated_basis(basis: str) -> bool:
     return basis == "auto" or basis in CALIBRATED_BASES
 
 
+def _measured() -> str | None:
+    return None
+
+
 @dataclass
 class Candidate:
     """One plan a scheme offers: ``build()`` plans it and measures its held-out loss (``None``
     where the search measures nothing), or raises ``UnreachableFraction`` where it does not
-    fit the budget."""
+    fit the budget; ``skipped()``, asked first, says why the candidates measured before it
+    show it need not be (``None``: it is built)."""
 
     name: str
     scheme: str
@@ -40,11 +45,12 @@ class Candidate:
     rope: str = "commute"
     latent_bits: int = 16
     latent_group: int = LATENT_GROUPS[0]
+    skipped: Callable[[], str | None] = _measured
 
 
 class Skipped(Exception):
-    """A candidate the search need not measure: those measured before it show that it loses
-    (its message says how, without the candidate's name)."""
+    """A candidate the search need not measure, found while building it: those measured
+    before it show that it loses (its message says how, without the candidate's name)."""
 
 
 @dataclass

@@ -9,6 +9,7 @@ a model says once what it will measure and samples every calibration it needs in
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -95,16 +96,17 @@ def best_plan(search: SearchContext, progress: bool = False, full_loss: float | 
     """The plan of the candidate with the least held-out calibration loss (measured where
     ``search.measure`` asks, else the first candidate that plans), and that loss. Where the
     storage is searched, a candidate within ``NEGLIGIBLE_LOSS`` of the uncompressed model's
-    held-out loss (``full_loss``, measured here if not given) ends the search, before any
-    calibration a later candidate needs."""
-    listed = candidates(search)
-    enough = None
-    if search.measure and search.searched:
-        if full_loss is None:
-            full_loss = calibration_loss(search.model, search.blocks, None,
-                                         held_out_windows(search.model, search.options))
-        enough = full_loss + NEGLIGIBLE_LOSS
-    return best_candidate(listed, progress, enough, search.options.budget, search.scheme_losses)
+    held-out loss (``full_loss``, measured here where not given and a later candidate is to
+    be built) ends the search, before any calibration a later candidate needs."""
+    @functools.cache
+    def enough() -> float:
+        full = full_loss if full_loss is not None else calibration_loss(
+            search.model, search.blocks, None, held_out_windows(search.model, search.options))
+        return full + NEGLIGIBLE_LOSS
+
+    return best_candidate(candidates(search), progress,
+                          enough if search.measure and search.searched else None,
+                          search.options.budget, search.scheme_losses)
 
 
 def _plan_within(search: SearchContext, max_ppl_increase: float) -> Plan:

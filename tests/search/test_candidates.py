@@ -90,12 +90,37 @@ def test_no_low_rank_candidate_is_measured_where_vector_codes_planned():
     search = SearchContext(None, [], PlanOptions(), ["commute", "reconstruct"], (16, 8, 4),
                            (32, 64), True)
     low_rank = [c for c in candidates(search) if c.scheme == "low_rank"]
-    search.scheme_losses["vector"] = 2.4  # the model is None: a build that measures fails
-    for c in low_rank:
-        with pytest.raises(Skipped, match=r"vector codes planned at this budget \(held-out "
-                                          r"loss 2\.4000\)"):
-            c.build()
+    assert all(c.skipped() is None for c in low_rank)
+    search.scheme_losses["vector"] = 2.4
+    assert all(c.skipped().startswith("vector codes planned at this budget (held-out loss "
+                                      "2.4000)") for c in low_rank)
     assert not search.at_budget(0.3, True).scheme_losses  # another budget measures again
+
+
+def test_the_full_models_loss_is_asked_only_before_another_candidate_is_built():
+    asked, built = [], []
+
+    def enough():
+        asked.append(1)
+        return 2.6
+
+    def measured(bits, loss):
+        def build():
+            built.append(bits)
+            return _plan(bits), loss
+        return build
+
+    covered = [Candidate(f"low rank at {b} bits", "low_rank", measured(b, 2.0), "commute", b,
+                         skipped=lambda: "covered") for b in (8, 4)]
+    best, loss = best_candidate([candidate(8, measured(8, 2.5), "vector"), *covered],
+                                progress=False, enough=enough)
+    assert (loss, built, asked) == (2.5, [8], [])  # nothing else was built: never asked
+    best, loss = best_candidate([candidate(8, measured(8, 2.5), "vector"),
+                                 candidate(4, measured(4, 2.0))], progress=False, enough=enough)
+    assert (loss, built, asked) == (2.5, [8, 8], [1])  # within it: the search ends unbuilt
+    best, loss = best_candidate([candidate(8, measured(8, 2.7), "vector"),
+                                 candidate(4, measured(4, 2.0))], progress=False, enough=enough)
+    assert (loss, built, len(asked)) == (2.0, [8, 8, 8, 4], 2)
 
 
 def test_over_budget_candidates_are_left_out_and_no_plan_is_a_refusal():
