@@ -204,8 +204,9 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     """The vector plan at ``options``' budget (``options.rope`` resolved to one mode, its
     basis to the one ``inputs`` carry), its channels weighed by the loss's sensitivities where
     measurable (else the spectra's energies), with the least held-out loss over the keys'
-    share of ``KEY_SHARES``, then the layers retrieval leans on favoured at that share (:func:`retrieval_favoured`), and its loss (``projections``: what a first
-    calibration measured for the sensitivities,
+    share of ``KEY_SHARES``, then the layers retrieval leans on favoured at that share
+    (:func:`retrieval_favoured`), and its loss (``projections``: what a first calibration
+    measured for the sensitivities,
     :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))

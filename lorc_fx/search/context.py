@@ -28,7 +28,7 @@ def calibrated_basis(basis: str) -> bool:
     return basis == "auto" or basis in CALIBRATED_BASES
 
 
-def _measured() -> str | None:
+def _never_skipped() -> str | None:
     return None
 
 
@@ -45,7 +45,7 @@ class Candidate:
     rope: str = "commute"
     latent_bits: int = 16
     latent_group: int = LATENT_GROUPS[0]
-    skipped: Callable[[], str | None] = _measured
+    skipped: Callable[[], str | None] = _never_skipped
 
 
 class Skipped(Exception):
