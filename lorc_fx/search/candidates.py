@@ -84,15 +84,18 @@ def best_candidate(listed: list[Candidate], progress: bool = True,
     bar = tqdm(listed, desc="measuring plan candidates", unit="candidate",
                disable=not progress or len(listed) < 2)
     for candidate in bar:
-        bar.set_postfix_str(candidate.name)
         try:
             why = candidate.skipped()
             if why is not None:
                 raise Skipped(why)
-            if planned and enough is not None and min(p[0] for p in planned) <= enough():
-                bar.set_postfix_str(f"{min(planned, key=lambda p: p[0])[1].name}: within noise "
-                                    "of the full cache, search ends")
-                break
+            if planned and enough is not None:
+                best = min(planned, key=lambda p: p[0])
+                bar.set_postfix_str(f"{best[1].name} against the uncompressed model")
+                if best[0] <= enough():
+                    bar.set_postfix_str(f"{best[1].name}: within noise of the full cache, "
+                                        "search ends")
+                    break
+            bar.set_postfix_str(candidate.name)
             plan, loss = candidate.build()
         except UnreachableFraction as err:
             refused.append(err)
