@@ -34,8 +34,7 @@ import lorc_fx
 from lorc_fx.data.models import load_tokenizer
 from lorc_fx.data.retrieval_tasks import TASKS, make_samples
 from lorc_fx.eval.retrieval import parse_lengths
-from lorc_fx.search.one_prefill import answer_logprobs
-from lorc_fx.search.one_prefill import FULL
+from lorc_fx.search.one_prefill import FULL, answer_logprobs
 from lorc_fx.search.retrieval_probe import one_layer_coded
 
 

@@ -101,5 +101,5 @@ def test_what_would_act_on_the_first_cache_alone_is_refused(prompts_and_plan):
         assert isinstance(cache, SideBySide) and len(cache.caches) == 3
         for act in (lambda: cache.crop(-1), lambda: cache.reorder_cache(torch.tensor([0])),
                     lambda: cache.batch_select_indices(torch.tensor([0])), cache.reset):
-            with pytest.raises(TypeError, match="crop, reorder or reset the caches"):
+            with pytest.raises(TypeError, match="crop, reorder or reset the caches themselves"):
                 act()
