@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from lorc_fx.api import compress
 from lorc_fx.cache import LatentCache, LatentCodec, latent_cache
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
+from lorc_fx.cache.install import STATIC_LENGTH_STEP
 from lorc_fx.cache.layers import PREFILL_TOKENS, LatentStaticLayer
 from lorc_fx.codes.integer import QuantizedTensor, QuantSpec, quantize
 from lorc_fx.cache.stores.integer_static import IntegerStaticStore
@@ -411,8 +412,9 @@ def test_inductor_decode_matches_eager():
 
 def test_a_model_compiled_in_place_gets_a_static_cache_where_none_is_chosen(caplog):
     """README's path (``model.compile``, then ``generate`` choosing no cache) builds a static
-    latent cache, said once, and gives eager static's tokens; ``cache_implementation=
-    'dynamic'``, or an eager model, keeps the dynamic cache."""
+    latent cache, said once, and gives eager static's tokens; a later call asking more tokens
+    reuses it (a whole number of ``STATIC_LENGTH_STEP`` slots) without tracing again;
+    ``cache_implementation='dynamic'``, or an eager model, keeps the dynamic cache."""
     model = build(config_for("llama", layers=1))
     compress(model, 1.0, schedule="uniform", basis="weight", rope="commute", latent_bits=8,
              latent_group=4)
@@ -421,16 +423,25 @@ def test_a_model_compiled_in_place_gets_a_static_cache_where_none_is_chosen(capl
     layer_of = lambda out: type(out.past_key_values.layers[0]).__name__  # noqa: E731
     assert layer_of(generate(model, ids, mask)) == "LatentDynamicLayer"
     torch._dynamo.reset()
-    model.compile(backend=lorc_backend.with_options(inductor=False))
+    graphs = []
+    backend = lorc_backend.with_options(inductor=False)
+    model.compile(backend=lambda gm, example_inputs: graphs.append(gm) or backend(gm, example_inputs))
     try:
         with caplog.at_level("WARNING", logger="lorc_fx.cache.install"):
             got = [generate(model, ids, mask, new_tokens=6) for _ in range(2)]
+            traced = len(graphs)
+            longer = generate(model, ids, mask, new_tokens=10)
+            retraced = len(graphs) - traced
         dynamic = generate(model, ids, mask, "dynamic")
     finally:
         model._compiled_call_impl = None
         torch._dynamo.reset()
-    assert [layer_of(g) for g in got] == ["LatentStaticLayer"] * 2
+    eager_longer = generate(model, ids, mask, "static", new_tokens=10)  # after: it sizes later ones
+    assert [layer_of(g) for g in got + [longer]] == ["LatentStaticLayer"] * 3
     assert all(torch.equal(g.sequences, eager.sequences) for g in got)
+    assert torch.equal(longer.sequences, eager_longer.sequences)
+    assert (traced, retraced) == (2, 0)  # prefill and decode, traced once for both lengths
+    assert longer.past_key_values.layers[0].max_cache_len == STATIC_LENGTH_STEP
     said = [r.getMessage() for r in caplog.records if "static latent cache" in r.getMessage()]
     assert len(said) == 1 and "cache_implementation='dynamic'" in said[0]
     assert layer_of(dynamic) == "LatentDynamicLayer"
