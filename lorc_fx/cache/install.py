@@ -98,9 +98,9 @@ _STATIC_SAFE_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
                       GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 # the static latent cache ``generate`` builds where the caller chose none holds a whole number
-# of these tokens (whole groups of every plain plan's 32/64/128): a later call that needs a few
-# more slots reuses it (transformers keeps the longest static cache a model's calls asked for)
-# instead of recompiling, which costs minutes on a compiled plan (README, "Limitations")
+# of these tokens: a later call that needs a few more slots reuses it (transformers keeps the
+# longest static cache a model's calls asked for) instead of recompiling, which costs minutes
+# on a compiled plan (README, "Limitations")
 STATIC_LENGTH_STEP = 256
 
 
@@ -136,11 +136,10 @@ def _prepare_latent_cache(self, generation_config, model_kwargs, generation_mode
                         "generate builds one (cache_implementation='static', a multiple of "
                         f"{STATIC_LENGTH_STEP} tokens long, which later calls reuse); pass "
                         "cache_implementation='dynamic' to keep the dynamic cache")
-        # generate's own copy of the config
-        generation_config.cache_implementation = "static"
+        steps = -(-generation_config.max_length // STATIC_LENGTH_STEP)
+        generation_config.cache_implementation = "static"  # generate's own copy of the config
         generation_config.max_cache_len = max(generation_config.max_cache_len or 0,
-                                              -(-generation_config.max_length // STATIC_LENGTH_STEP)
-                                              * STATIC_LENGTH_STEP)
+                                              steps * STATIC_LENGTH_STEP)
     type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs,
                                              generation_mode, *args, **kwargs)
     own = own_cache_class(self)

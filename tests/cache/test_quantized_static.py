@@ -423,9 +423,8 @@ def test_a_model_compiled_in_place_gets_a_static_cache_where_none_is_chosen(capl
     layer_of = lambda out: type(out.past_key_values.layers[0]).__name__  # noqa: E731
     assert layer_of(generate(model, ids, mask)) == "LatentDynamicLayer"
     torch._dynamo.reset()
-    graphs = []
-    backend = lorc_backend.with_options(inductor=False)
-    model.compile(backend=lambda gm, example_inputs: graphs.append(gm) or backend(gm, example_inputs))
+    graphs, backend = [], lorc_backend.with_options(inductor=False)
+    model.compile(backend=lambda gm, inputs: graphs.append(gm) or backend(gm, inputs))
     try:
         with caplog.at_level("WARNING", logger="lorc_fx.cache.install"):
             got = [generate(model, ids, mask, new_tokens=6) for _ in range(2)]
