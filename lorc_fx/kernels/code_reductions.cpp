@@ -1,29 +1,41 @@
 // Decode attention over quantized cache codes, its two reductions and a plain plan's whole
-// step fused, for x86-64 CPUs with AVX2 (AVX-512 where the compiler targets it):
-// lorc_fx/kernels/code_reductions.py builds this file once per machine and calls it through
-// ctypes.
+// step fused, for x86-64 CPUs with AVX2 (AVX-512 where the compiler targets it), registered as
+// the ATen ops lorc::code_scores, lorc::code_sums and lorc::code_attention (their CPU kernels;
+// lorc_fx/kernels/code_reductions.py builds this file once per machine against torch's headers
+// and loads it, and gives the ops their shapes for tracing).
 //
 // Layouts (lorc_fx/codes/integer.py): codes are unsigned, 8 bits a byte or 4 bits two a byte
 // (a run of `len` codes packed in len/2 bytes, byte j holding code j in its low nibble and code
 // j + len/2 in its high one); a value is zero + code * scale, scale and zero per group.
 //
-// - lorc_code_scores: q (BH, M, W) against per-channel codes (BH, W, groups, G*bits/8), scale and
-//   zero (BH, W, groups): out (BH, M, groups*G) = sum_c q[m,c] * (zero[c,g] + code[c,g,j] *
-//   scale[c,g]) for token j of group g.
-// - lorc_code_sums: weights p (BH, M, N) against per-token codes (BH, N, CG, Gc*bits/8), scale
-//   and zero (BH, N, CG): out (BH, M, CG*Gc) = sum_n p[m,n] * (zero[n,cg] + code[n,cg,j] *
-//   scale[n,cg]) for channel j of channel group cg.
-// - lorc_code_attention: the two fused with the softmax between them, for a plain plan's
-//   decode step: keys per channel over N slots and values per token over the first NV of them
-//   (the slots past NV are masked), then R window rows in float32 (BH, R, D); scores scaled and
-//   biased by bias (B, T, N + R) (0 or -inf, or an additive mask; query row m of a kv head is
-//   query token m % T), softmax, weighted sum of the values: out (BH, M, D). A row with
-//   nothing to attend gets zeros.
+// - code_scores(q, payload, scale, zero, bits): q (B, HK, M, W) against per-channel codes
+//   (B, HK, W, groups, G*bits/8), scale and zero (B, HK, W, groups): out (B, HK, M, groups*G) =
+//   sum_c q[m,c] * (zero[c,g] + code[c,g,j] * scale[c,g]) for token j of group g.
+// - code_sums(p, payload, scale, zero, bits): weights p (B, HK, M, N) against per-token codes
+//   (B, HK, N, CG, Gc*bits/8), scale and zero (B, HK, N, CG): out (B, HK, M, CG*Gc) =
+//   sum_n p[m,n] * (zero[n,cg] + code[n,cg,j] * scale[n,cg]) for channel j of channel group cg.
+// - code_attention(q, key codes, value codes, k_window, v_window, bias, scale): the two fused
+//   with the softmax between them, for a plain plan's decode step: keys per channel over N slots
+//   and values per token over the first NV of them (the slots past NV are masked), then R window
+//   rows (B, HK, R, D); scores scaled and biased by bias (B, T, N + R) (0 or -inf, or an additive
+//   mask; query row m of a kv head is query token m % T), softmax, weighted sum of the values:
+//   out (B, HK, M, D). A row with nothing to attend gets zeros.
+// Results are float32; scales, zero points, queries, weights and windows are read as float32.
 //
 // Why by hand: written as tensor maths, Inductor's C++ loops keep one accumulator per output
 // vector and convert every code once per query row it meets; here a tile of 3 rows x NC vectors
 // stays in registers while each code is widened to float once and used for all 3 rows. Both
 // reductions are sums of products in float32, in another order than the tensor maths.
+//
+// Why ATen ops in C++ rather than Python ops calling this through ctypes: the dispatcher's call
+// into a Python kernel, and the kernel's own Python, cost ~60 us a call in a decode step whose
+// weights have just streamed through the caches (2 ms a step of the default model's 30 layers,
+// bench/results/long_context_cache_choice-cpu.md).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -129,6 +141,8 @@ static void sums_tile(const float* const* p, int64_t rows, const uint8_t* run0,
     for (int64_t m = 0; m < ROWS; ++m)
         for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(0.f);
     for (int64_t n = 0; n < N; ++n) {
+        // the hardware prefetcher alone leaves a cold layer's values ~20% slower
+        if (j0 == 0) __builtin_prefetch(run0 + (n + 32) * token_stride);
         vf codes[NC];
         for (int64_t k = 0; k < NC; ++k)
             codes[k] = chunk(run0 + n * token_stride, bits, Gc, j0 + k * VW);
@@ -178,7 +192,7 @@ static inline float* thread_work(float* work, int64_t per_thread) {
 }
 
 // work: threads * (W + 1) * ROWS floats.
-extern "C" void lorc_code_scores(const float* q, const uint8_t* payload, const float* scale,
+static void scores_kernel(const float* q, const uint8_t* payload, const float* scale,
                                  const float* zero, float* out, float* work, int64_t BH,
                                  int64_t M, int64_t W, int64_t groups, int64_t G, int64_t bits,
                                  int threads) {
@@ -199,7 +213,7 @@ extern "C" void lorc_code_scores(const float* q, const uint8_t* payload, const f
 }
 
 // zeros: N floats of 0 (the weights of the rows past M in the last tile).
-extern "C" void lorc_code_sums(const float* p, const uint8_t* payload, const float* scale,
+static void sums_kernel(const float* p, const uint8_t* payload, const float* scale,
                                const float* zero, float* out, float* zeros, int64_t BH, int64_t M,
                                int64_t N, int64_t CG, int64_t Gc, int64_t bits, int threads) {
     const int64_t run_bytes = Gc * bits / 8, tiles = tiles_of(M);
@@ -241,7 +255,7 @@ static inline vf exp_nonpositive(vf x) {
 }
 
 // work: threads * ROWS * (N + R + D + 1 + VCG * Gv) floats.
-extern "C" void lorc_code_attention(
+static void attention_kernel(
         const float* q, const uint8_t* k_payload, const float* k_scale, const float* k_zero,
         const uint8_t* v_payload, const float* v_scale, const float* v_zero,
         const float* k_window, const float* v_window, const float* bias, float* out, float* work,
@@ -322,4 +336,103 @@ extern "C" void lorc_code_attention(
             }
         }
     }
+}
+
+// ---------------------------------------------------------------- the ops' CPU kernels
+
+namespace {
+
+at::Tensor floats(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+// The codes' width in bits, checked, and the codes a group holds (a run of the payload's last
+// axis).
+int64_t group_of(const at::Tensor& payload, int64_t bits, const char* op) {
+    TORCH_CHECK(payload.device().is_cpu() && payload.scalar_type() == at::kByte,
+                "lorc::", op, ": codes must be a uint8 CPU tensor");
+    TORCH_CHECK(bits == 8 || bits == 4, "lorc::", op, ": codes of 8 or 4 bits, not ", bits);
+    const int64_t group = payload.size(-1) * 8 / bits;
+    TORCH_CHECK(group % 32 == 0, "lorc::", op,  // whole vectors of codes, for 4 bits in each half
+                ": groups of a multiple of 32 codes, not ", group);
+    return group;
+}
+
+at::Tensor code_scores(const at::Tensor& q_in, const at::Tensor& payload_in,
+                       const at::Tensor& scale_in, const at::Tensor& zero_in, int64_t bits) {
+    const int64_t group = group_of(payload_in, bits, "code_scores");
+    const at::Tensor q = floats(q_in), payload = payload_in.contiguous();
+    const at::Tensor scale = floats(scale_in), zero = floats(zero_in);
+    const int64_t B = q.size(0), HK = q.size(1), M = q.size(2), W = q.size(3);
+    const int64_t groups = payload.size(3);
+    at::Tensor out = at::empty({B, HK, M, groups * group}, q.options());
+    const int threads = at::get_num_threads();
+    at::Tensor work = at::empty({threads * (W + 1) * ROWS}, q.options());
+    scores_kernel(q.data_ptr<float>(), payload.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                  zero.data_ptr<float>(), out.data_ptr<float>(), work.data_ptr<float>(), B * HK,
+                  M, W, groups, group, bits, threads);
+    return out;
+}
+
+at::Tensor code_sums(const at::Tensor& p_in, const at::Tensor& payload_in,
+                     const at::Tensor& scale_in, const at::Tensor& zero_in, int64_t bits) {
+    const int64_t group = group_of(payload_in, bits, "code_sums");
+    const at::Tensor p = floats(p_in), payload = payload_in.contiguous();
+    const at::Tensor scale = floats(scale_in), zero = floats(zero_in);
+    const int64_t B = p.size(0), HK = p.size(1), M = p.size(2), N = p.size(3);
+    const int64_t channel_groups = payload.size(3);
+    at::Tensor out = at::empty({B, HK, M, channel_groups * group}, p.options());
+    at::Tensor zeros = at::zeros({N}, p.options());  // the weights of rows past M in a tile
+    sums_kernel(p.data_ptr<float>(), payload.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                zero.data_ptr<float>(), out.data_ptr<float>(), zeros.data_ptr<float>(), B * HK,
+                M, N, channel_groups, group, bits, at::get_num_threads());
+    return out;
+}
+
+at::Tensor code_attention(const at::Tensor& q_in, const at::Tensor& k_payload_in,
+                          const at::Tensor& k_scale_in, const at::Tensor& k_zero_in,
+                          int64_t k_bits, const at::Tensor& v_payload_in,
+                          const at::Tensor& v_scale_in, const at::Tensor& v_zero_in,
+                          int64_t v_bits, const at::Tensor& k_window_in,
+                          const at::Tensor& v_window_in, const at::Tensor& bias_in,
+                          double softmax_scale) {
+    const int64_t group = group_of(k_payload_in, k_bits, "code_attention");
+    const int64_t value_group = group_of(v_payload_in, v_bits, "code_attention");
+    const at::Tensor q = floats(q_in), k_payload = k_payload_in.contiguous();
+    const at::Tensor k_scale = floats(k_scale_in), k_zero = floats(k_zero_in);
+    const at::Tensor v_payload = v_payload_in.contiguous();
+    const at::Tensor v_scale = floats(v_scale_in), v_zero = floats(v_zero_in);
+    const at::Tensor k_window = floats(k_window_in), v_window = floats(v_window_in);
+    const at::Tensor bias = floats(bias_in);
+    const int64_t B = q.size(0), HK = q.size(1), M = q.size(2), D = q.size(3);
+    const int64_t groups = k_payload.size(3), channel_groups = v_payload.size(3);
+    const int64_t T = bias.size(1), R = k_window.size(2), NV = v_payload.size(2);
+    at::Tensor out = at::empty({B, HK, M, D}, q.options());
+    const int threads = at::get_num_threads();
+    at::Tensor work = at::empty(
+        {threads * ROWS * (groups * group + R + D + 1 + channel_groups * value_group)},
+        q.options());
+    attention_kernel(q.data_ptr<float>(), k_payload.data_ptr<uint8_t>(),
+                     k_scale.data_ptr<float>(), k_zero.data_ptr<float>(),
+                     v_payload.data_ptr<uint8_t>(), v_scale.data_ptr<float>(),
+                     v_zero.data_ptr<float>(), k_window.data_ptr<float>(),
+                     v_window.data_ptr<float>(), bias.data_ptr<float>(), out.data_ptr<float>(),
+                     work.data_ptr<float>(), B, HK, M, T, D, groups, group, k_bits, NV,
+                     channel_groups, value_group, v_bits, R, static_cast<float>(softmax_scale),
+                     threads);
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lorc, m) {
+    m.def("code_scores(Tensor q, Tensor payload, Tensor scale, Tensor zero, int bits) -> Tensor");
+    m.def("code_sums(Tensor p, Tensor payload, Tensor scale, Tensor zero, int bits) -> Tensor");
+    m.def("code_attention(Tensor q, Tensor k_payload, Tensor k_scale, Tensor k_zero, int k_bits, "
+          "Tensor v_payload, Tensor v_scale, Tensor v_zero, int v_bits, Tensor k_window, "
+          "Tensor v_window, Tensor bias, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lorc, CPU, m) {
+    m.impl("code_scores", code_scores);
+    m.impl("code_sums", code_sums);
+    m.impl("code_attention", code_attention);
 }

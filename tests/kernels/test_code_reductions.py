@@ -25,7 +25,7 @@ groups = st.sampled_from([32, 64, 96, 128])
 def test_the_kernel_builds_here():
     """On an x86-64 machine with AVX2 (CI's) the kernel builds and the ops use it, so the
     tests below check it, not the fallback."""
-    assert code_reductions._library() is not None
+    assert code_reductions._registered()
     assert code_reductions.native_applies(torch.device("cpu"), 8, 64)
     assert not code_reductions.native_applies(torch.device("cpu"), 2, 64)
     assert not code_reductions.native_applies(torch.device("cpu"), 8, 48)
@@ -114,24 +114,15 @@ def test_fused_attention_is_the_softmax_of_the_scores_over_the_values(
     assert_float32_close(got, torch._safe_softmax(scores, -1), all_values)
 
 
-def test_without_the_kernel_the_ops_compute_the_same(monkeypatch):
-    """Where the kernel does not serve (another device, 2-bit codes, no compiler) the ops fall
-    back to tensor maths over the dequantized codes: the fused op's fallback against float64
-    maths, scores and sums through the fused op's own calls."""
-    gen = torch.Generator().manual_seed(0)
-    d, n, n_v, rows = 64, 64, 60, 3
-    k_payload, k_scale, k_zero, keys = codes(torch.randn(2, 2, n, d, generator=gen),
-                                             QuantSpec.per_channel(4, 32))
-    v_payload, v_scale, v_zero, values = codes(torch.randn(2, 2, n_v, d, generator=gen),
-                                               QuantSpec.per_token(4, 32))
-    k_window, v_window = (torch.randn(2, 2, rows, d, generator=gen) for _ in "kv")
-    bias = torch.where(torch.rand(2, 2, n + rows, generator=gen) < 0.8, 0.0, float("-inf"))
-    bias[..., n_v:n] = float("-inf")
-    q = torch.randn(2, 2, 6, d, generator=gen)
-    monkeypatch.setattr(code_reductions, "native_applies", lambda *args: False)
-    got = code_reductions.code_attention(q, k_payload, k_scale, k_zero, 4, v_payload, v_scale,
-                                         v_zero, 4, k_window, v_window, bias, 0.3)
-    all_keys = torch.cat([keys, k_window.double()], dim=2)
-    all_values = torch.cat([values, values.new_zeros(2, 2, n - n_v, d), v_window.double()], 2)
-    scores = q.double() @ all_keys.transpose(-1, -2) * 0.3 + bias.double().repeat(1, 3, 1)[:, None]
-    assert_float32_close(got, torch._safe_softmax(scores, -1), all_values)
+@native
+def test_the_ops_refuse_codes_the_kernel_does_not_read():
+    """The passes ask ``native_applies`` before they call an op; called directly with codes it
+    does not read, an op says which and why rather than reading them wrongly."""
+    assert code_reductions.native_applies(torch.device("cpu"), 8, 32)
+    q = torch.randn(1, 1, 3, 8)
+    payload, scale, zero, _ = codes(torch.randn(1, 1, 32, 8), QuantSpec.per_channel(2, 32))
+    with pytest.raises(RuntimeError, match="lorc::code_scores: codes of 8 or 4 bits, not 2"):
+        torch.ops.lorc.code_scores(q, payload, scale, zero, 2)
+    payload, scale, zero, _ = codes(torch.randn(1, 1, 48, 8), QuantSpec.per_channel(8, 48))
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32 codes, not 48"):
+        torch.ops.lorc.code_scores(q, payload, scale, zero, 8)
