@@ -19,6 +19,7 @@ SETTINGS = settings(max_examples=25, deadline=None)
 
 widths = st.sampled_from([8, 4])
 groups = st.sampled_from([32, 64, 96, 128])
+scale_dtypes = st.sampled_from([torch.float32, torch.float16, torch.bfloat16])  # read as stored
 
 
 @native
@@ -52,11 +53,12 @@ def codes(x, spec):
 @SETTINGS
 @given(bits=widths, group=groups, batch=st.integers(1, 2), kv_heads=st.integers(1, 3),
        rows=st.integers(1, 10), width=st.integers(1, 70), n_groups=st.integers(1, 4),
-       seed=st.integers(0, 99))
-def test_scores_over_per_channel_codes(bits, group, batch, kv_heads, rows, width, n_groups, seed):
+       scale_dtype=scale_dtypes, seed=st.integers(0, 99))
+def test_scores_over_per_channel_codes(bits, group, batch, kv_heads, rows, width, n_groups,
+                                       scale_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, kv_heads, n_groups * group, width, generator=gen) * 3
-    payload, scale, zero, values = codes(x, QuantSpec.per_channel(bits, group, torch.float16))
+    payload, scale, zero, values = codes(x, QuantSpec.per_channel(bits, group, scale_dtype))
     q = torch.randn(batch, kv_heads, rows, width, generator=gen)
     got = torch.ops.lorc.code_scores(q, payload, scale, zero, bits)
     assert_float32_close(got, q.double(), values.transpose(-1, -2))
@@ -66,12 +68,12 @@ def test_scores_over_per_channel_codes(bits, group, batch, kv_heads, rows, width
 @SETTINGS
 @given(bits=widths, group=st.sampled_from([32, 64]), channel_groups=st.integers(1, 3),
        batch=st.integers(1, 2), kv_heads=st.integers(1, 3), rows=st.integers(1, 10),
-       tokens=st.integers(1, 300), seed=st.integers(0, 99))
+       tokens=st.integers(1, 300), scale_dtype=scale_dtypes, seed=st.integers(0, 99))
 def test_sums_over_per_token_codes(bits, group, channel_groups, batch, kv_heads, rows, tokens,
-                                   seed):
+                                   scale_dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, kv_heads, tokens, group * channel_groups, generator=gen)
-    payload, scale, zero, values = codes(x, QuantSpec.per_token(bits, group, torch.float16))
+    payload, scale, zero, values = codes(x, QuantSpec.per_token(bits, group, scale_dtype))
     p = torch.rand(batch, kv_heads, rows, tokens, generator=gen)
     got = torch.ops.lorc.code_sums(p, payload, scale, zero, bits)
     assert_float32_close(got, p.double(), values)
@@ -82,20 +84,22 @@ def test_sums_over_per_token_codes(bits, group, channel_groups, batch, kv_heads,
 @given(bits=widths, group=st.sampled_from([32, 64]), batch=st.integers(1, 2),
        kv_heads=st.integers(1, 3), per_head=st.integers(1, 4), t=st.integers(1, 3),
        n_groups=st.integers(1, 3), window=st.integers(0, 9), short=st.integers(0, 40),
-       mask=st.sampled_from(["none", "bool", "float"]), seed=st.integers(0, 99))
+       mask=st.sampled_from(["none", "bool", "float"]), k_scales=scale_dtypes,
+       v_scales=scale_dtypes, seed=st.integers(0, 99))
 def test_fused_attention_is_the_softmax_of_the_scores_over_the_values(
-        bits, group, batch, kv_heads, per_head, t, n_groups, window, short, mask, seed):
+        bits, group, batch, kv_heads, per_head, t, n_groups, window, short, mask, k_scales,
+        v_scales, seed):
     """Keys per channel and values per token (64 channels a head), then window rows; without
     a window the values may stop ``short`` of the keys' slots, the bias masking the rest (a
     static layer's spare key group). Query row ``i`` of a kv head is query token ``i % t``; a
-    row with nothing to attend gets zeros."""
+    row with nothing to attend gets zeros. The two sides' scales may differ in dtype."""
     gen = torch.Generator().manual_seed(seed)
     d, n = 64, n_groups * group
     n_v = n if window else max(n - short, 1)
     k_payload, k_scale, k_zero, keys = codes(
-        torch.randn(batch, kv_heads, n, d, generator=gen) * 2, QuantSpec.per_channel(bits, group))
+        torch.randn(batch, kv_heads, n, d, generator=gen) * 2, QuantSpec.per_channel(bits, group, k_scales))
     v_payload, v_scale, v_zero, values = codes(
-        torch.randn(batch, kv_heads, n_v, d, generator=gen), QuantSpec.per_token(bits, group))
+        torch.randn(batch, kv_heads, n_v, d, generator=gen), QuantSpec.per_token(bits, group, v_scales))
     k_window, v_window = (torch.randn(batch, kv_heads, window, d, generator=gen) for _ in "kv")
     if mask == "float":
         bias = torch.randn(batch, t, n + window, generator=gen)
