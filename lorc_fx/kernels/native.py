@@ -39,7 +39,7 @@ def _torch_flags() -> tuple[str, ...]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     libraries = library_paths()
-    return ("-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    return ("-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
             *(f"-I{path}" for path in include_paths()), *(f"-L{path}" for path in libraries),
             *(f"-Wl,-rpath,{path}" for path in libraries), "-lc10", "-ltorch_cpu")
 
