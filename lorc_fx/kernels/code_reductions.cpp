@@ -344,80 +344,81 @@ namespace {
 
 at::Tensor floats(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
-// The codes' width in bits, checked, and the codes a group holds (a run of the payload's last
-// axis).
-int64_t group_of(const at::Tensor& payload, int64_t bits, const char* op) {
+// One side's codes as the kernels read them: the payload contiguous, scales and zero points
+// float32, and the codes a group holds (a run of the payload's last axis), checked.
+struct Codes {
+    at::Tensor payload, scale, zero;
+    int64_t group;
+};
+
+Codes codes_of(const at::Tensor& payload, const at::Tensor& scale, const at::Tensor& zero,
+               int64_t bits, const char* op) {
     TORCH_CHECK(payload.device().is_cpu() && payload.scalar_type() == at::kByte,
                 "lorc::", op, ": codes must be a uint8 CPU tensor");
     TORCH_CHECK(bits == 8 || bits == 4, "lorc::", op, ": codes of 8 or 4 bits, not ", bits);
     const int64_t group = payload.size(-1) * 8 / bits;
     TORCH_CHECK(group % 32 == 0, "lorc::", op,  // whole vectors of codes, for 4 bits in each half
                 ": groups of a multiple of 32 codes, not ", group);
-    return group;
+    return {payload.contiguous(), floats(scale), floats(zero), group};
 }
 
-at::Tensor code_scores(const at::Tensor& q_in, const at::Tensor& payload_in,
-                       const at::Tensor& scale_in, const at::Tensor& zero_in, int64_t bits) {
-    const int64_t group = group_of(payload_in, bits, "code_scores");
-    const at::Tensor q = floats(q_in), payload = payload_in.contiguous();
-    const at::Tensor scale = floats(scale_in), zero = floats(zero_in);
+at::Tensor code_scores(const at::Tensor& q_in, const at::Tensor& payload,
+                       const at::Tensor& scale, const at::Tensor& zero, int64_t bits) {
+    const Codes keys = codes_of(payload, scale, zero, bits, "code_scores");
+    const at::Tensor q = floats(q_in);
     const int64_t B = q.size(0), HK = q.size(1), M = q.size(2), W = q.size(3);
-    const int64_t groups = payload.size(3);
-    at::Tensor out = at::empty({B, HK, M, groups * group}, q.options());
+    const int64_t groups = keys.payload.size(3);
+    at::Tensor out = at::empty({B, HK, M, groups * keys.group}, q.options());
     const int threads = at::get_num_threads();
     at::Tensor work = at::empty({threads * (W + 1) * ROWS}, q.options());
-    scores_kernel(q.data_ptr<float>(), payload.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                  zero.data_ptr<float>(), out.data_ptr<float>(), work.data_ptr<float>(), B * HK,
-                  M, W, groups, group, bits, threads);
+    scores_kernel(q.data_ptr<float>(), keys.payload.data_ptr<uint8_t>(),
+                  keys.scale.data_ptr<float>(), keys.zero.data_ptr<float>(),
+                  out.data_ptr<float>(), work.data_ptr<float>(), B * HK, M, W, groups,
+                  keys.group, bits, threads);
     return out;
 }
 
-at::Tensor code_sums(const at::Tensor& p_in, const at::Tensor& payload_in,
-                     const at::Tensor& scale_in, const at::Tensor& zero_in, int64_t bits) {
-    const int64_t group = group_of(payload_in, bits, "code_sums");
-    const at::Tensor p = floats(p_in), payload = payload_in.contiguous();
-    const at::Tensor scale = floats(scale_in), zero = floats(zero_in);
+at::Tensor code_sums(const at::Tensor& p_in, const at::Tensor& payload,
+                     const at::Tensor& scale, const at::Tensor& zero, int64_t bits) {
+    const Codes values = codes_of(payload, scale, zero, bits, "code_sums");
+    const at::Tensor p = floats(p_in);
     const int64_t B = p.size(0), HK = p.size(1), M = p.size(2), N = p.size(3);
-    const int64_t channel_groups = payload.size(3);
-    at::Tensor out = at::empty({B, HK, M, channel_groups * group}, p.options());
+    const int64_t channel_groups = values.payload.size(3);
+    at::Tensor out = at::empty({B, HK, M, channel_groups * values.group}, p.options());
     at::Tensor zeros = at::zeros({N}, p.options());  // the weights of rows past M in a tile
-    sums_kernel(p.data_ptr<float>(), payload.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                zero.data_ptr<float>(), out.data_ptr<float>(), zeros.data_ptr<float>(), B * HK,
-                M, N, channel_groups, group, bits, at::get_num_threads());
+    sums_kernel(p.data_ptr<float>(), values.payload.data_ptr<uint8_t>(),
+                values.scale.data_ptr<float>(), values.zero.data_ptr<float>(),
+                out.data_ptr<float>(), zeros.data_ptr<float>(), B * HK, M, N, channel_groups,
+                values.group, bits, at::get_num_threads());
     return out;
 }
 
-at::Tensor code_attention(const at::Tensor& q_in, const at::Tensor& k_payload_in,
-                          const at::Tensor& k_scale_in, const at::Tensor& k_zero_in,
-                          int64_t k_bits, const at::Tensor& v_payload_in,
-                          const at::Tensor& v_scale_in, const at::Tensor& v_zero_in,
-                          int64_t v_bits, const at::Tensor& k_window_in,
-                          const at::Tensor& v_window_in, const at::Tensor& bias_in,
-                          double softmax_scale) {
-    const int64_t group = group_of(k_payload_in, k_bits, "code_attention");
-    const int64_t value_group = group_of(v_payload_in, v_bits, "code_attention");
-    const at::Tensor q = floats(q_in), k_payload = k_payload_in.contiguous();
-    const at::Tensor k_scale = floats(k_scale_in), k_zero = floats(k_zero_in);
-    const at::Tensor v_payload = v_payload_in.contiguous();
-    const at::Tensor v_scale = floats(v_scale_in), v_zero = floats(v_zero_in);
+at::Tensor code_attention(const at::Tensor& q_in, const at::Tensor& k_payload,
+                          const at::Tensor& k_scale, const at::Tensor& k_zero, int64_t k_bits,
+                          const at::Tensor& v_payload, const at::Tensor& v_scale,
+                          const at::Tensor& v_zero, int64_t v_bits,
+                          const at::Tensor& k_window_in, const at::Tensor& v_window_in,
+                          const at::Tensor& bias_in, double softmax_scale) {
+    const Codes keys = codes_of(k_payload, k_scale, k_zero, k_bits, "code_attention");
+    const Codes values = codes_of(v_payload, v_scale, v_zero, v_bits, "code_attention");
+    const at::Tensor q = floats(q_in), bias = floats(bias_in);
     const at::Tensor k_window = floats(k_window_in), v_window = floats(v_window_in);
-    const at::Tensor bias = floats(bias_in);
     const int64_t B = q.size(0), HK = q.size(1), M = q.size(2), D = q.size(3);
-    const int64_t groups = k_payload.size(3), channel_groups = v_payload.size(3);
-    const int64_t T = bias.size(1), R = k_window.size(2), NV = v_payload.size(2);
+    const int64_t groups = keys.payload.size(3), channel_groups = values.payload.size(3);
+    const int64_t T = bias.size(1), R = k_window.size(2), NV = values.payload.size(2);
     at::Tensor out = at::empty({B, HK, M, D}, q.options());
     const int threads = at::get_num_threads();
     at::Tensor work = at::empty(
-        {threads * ROWS * (groups * group + R + D + 1 + channel_groups * value_group)},
+        {threads * ROWS * (groups * keys.group + R + D + 1 + channel_groups * values.group)},
         q.options());
-    attention_kernel(q.data_ptr<float>(), k_payload.data_ptr<uint8_t>(),
-                     k_scale.data_ptr<float>(), k_zero.data_ptr<float>(),
-                     v_payload.data_ptr<uint8_t>(), v_scale.data_ptr<float>(),
-                     v_zero.data_ptr<float>(), k_window.data_ptr<float>(),
+    attention_kernel(q.data_ptr<float>(), keys.payload.data_ptr<uint8_t>(),
+                     keys.scale.data_ptr<float>(), keys.zero.data_ptr<float>(),
+                     values.payload.data_ptr<uint8_t>(), values.scale.data_ptr<float>(),
+                     values.zero.data_ptr<float>(), k_window.data_ptr<float>(),
                      v_window.data_ptr<float>(), bias.data_ptr<float>(), out.data_ptr<float>(),
-                     work.data_ptr<float>(), B, HK, M, T, D, groups, group, k_bits, NV,
-                     channel_groups, value_group, v_bits, R, static_cast<float>(softmax_scale),
-                     threads);
+                     work.data_ptr<float>(), B, HK, M, T, D, groups, keys.group, k_bits, NV,
+                     channel_groups, values.group, v_bits, R,
+                     static_cast<float>(softmax_scale), threads);
     return out;
 }
 

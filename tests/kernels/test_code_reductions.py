@@ -96,10 +96,10 @@ def test_fused_attention_is_the_softmax_of_the_scores_over_the_values(
     gen = torch.Generator().manual_seed(seed)
     d, n = 64, n_groups * group
     n_v = n if window else max(n - short, 1)
-    k_payload, k_scale, k_zero, keys = codes(
-        torch.randn(batch, kv_heads, n, d, generator=gen) * 2, QuantSpec.per_channel(bits, group, k_scales))
-    v_payload, v_scale, v_zero, values = codes(
-        torch.randn(batch, kv_heads, n_v, d, generator=gen), QuantSpec.per_token(bits, group, v_scales))
+    k_payload, k_scale, k_zero, keys = codes(torch.randn(batch, kv_heads, n, d, generator=gen) * 2,
+                                             QuantSpec.per_channel(bits, group, k_scales))
+    v_payload, v_scale, v_zero, values = codes(torch.randn(batch, kv_heads, n_v, d, generator=gen),
+                                               QuantSpec.per_token(bits, group, v_scales))
     k_window, v_window = (torch.randn(batch, kv_heads, window, d, generator=gen) for _ in "kv")
     if mask == "float":
         bias = torch.randn(batch, t, n + window, generator=gen)
