@@ -15,7 +15,11 @@ on data and a compiled decode step traces once for every position.
   start within the group, and for the group current after the write), re-quantizes those
   groups from their valid tokens only (masked min/max) and writes the ``k`` group slots; the
   staged group that is current afterwards becomes the window. The last slot is spare: the
-  ``k`` groups can reach one past the last token written, and past ``max_cache_len``.
+  ``k`` groups can reach one past the last token written, and past ``max_cache_len``. A
+  decode step's one token is written into the window in place and only its group is
+  re-quantized and written (half a step's store writes of staging two); when the token
+  completes the group, the window keeps its tokens, which the next write, at offset 0, masks
+  out as it masks every slot past its own tokens.
 - **per token** (groups of channels): codes ``(b, h, max_cache_len, groups, bytes)``, scales
   and zero points ``(b, h, max_cache_len, groups)``; a token's codes do not depend on other
   tokens, so each is quantized once, as written. No window.
@@ -90,6 +94,14 @@ def _write_per_channel(codes: QuantizedTensor, window: torch.Tensor, states: tor
     group ``g`` is written at slot ``g mod ring`` (a sliding window's ring buffer)."""
     group, t = codes.spec.group, states.shape[-2]
     b, h, _, d = window.shape
+    if t == 1:  # a decode step: its token joins the window, whose one group is re-quantized
+        offset = (start % group).view(1)
+        window.index_copy_(2, offset, states)
+        valid = (torch.arange(group, device=states.device) <= offset).view(1, group)
+        index = (start // group).view(1)
+        _write_groups(codes, window.transpose(-1, -2).reshape(b, h, d, 1, group), valid, 3,
+                      index % ring if ring else index)
+        return
     groups = (t + group - 1) // group + 1
     offset = start % group
     steps = torch.arange(groups * group, device=states.device)
