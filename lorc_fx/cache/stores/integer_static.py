@@ -17,9 +17,9 @@ on data and a compiled decode step traces once for every position.
   staged group that is current afterwards becomes the window. The last slot is spare: the
   ``k`` groups can reach one past the last token written, and past ``max_cache_len``. A
   decode step's one token is written into the window in place and only its group is
-  re-quantized and written (half a step's store writes of staging two); when the token
-  completes the group, the window keeps its tokens, which the next write, at offset 0, masks
-  out as it masks every slot past its own tokens.
+  re-quantized and written (staging would do two); when the token completes the group, the
+  window keeps its tokens, which the next write, at offset 0, masks out as it masks every
+  slot past its own tokens.
 - **per token** (groups of channels): codes ``(b, h, max_cache_len, groups, bytes)``, scales
   and zero points ``(b, h, max_cache_len, groups)``; a token's codes do not depend on other
   tokens, so each is quantized once, as written. No window.
