@@ -161,24 +161,8 @@ def _prepare_inputs_marking_dynamic(self, *args, **kwargs):
     for every length (``LatentCache.mark_dynamic``)."""
     inputs = type(self).prepare_inputs_for_generation(self, *args, **kwargs)
     if isinstance(cache := inputs.get("past_key_values"), LatentCache):
-        if cache.is_compileable and not all(layer.is_initialized for layer in cache.layers):
-            _allocate_static(self, cache, inputs)
         cache.mark_dynamic()
     return inputs
-
-
-def _allocate_static(model: nn.Module, cache: LatentCache, inputs: dict) -> None:
-    """Allocate a static latent cache here, eagerly, before the first forward: allocated by
-    its first write inside a compiled prefill, its buffers come out of AOT autograd's
-    functionalization in the layout of the write rather than their own (the static store
-    keeps a group's key channels together for decode attention to read in order; written
-    there, they came out a channel's groups together, read 1.2 ms a step slower by
-    ``lorc::code_attention`` at 4096 tokens of the default model)."""
-    shape = model._get_static_cache_init_shape()
-    rows = next((inputs[k] for k in ("input_ids", "inputs_embeds")
-                 if isinstance(inputs.get(k), torch.Tensor)), None)
-    if shape is not None and rows is not None:
-        cache.early_initialization(rows.shape[0], *shape, model.dtype, model.device)
 
 
 def _save_pretrained_plain(self, *args, **kwargs):

@@ -75,34 +75,22 @@ static inline vf chunk(const uint8_t* run, int64_t bits, int64_t len, int64_t j0
     return widen(_mm_and_si128(_mm_srli_epi16(load_bytes(run + j0 - half), 4), low));
 }
 
-// Where a per-channel side's runs lie, in bytes: the run of channel c of group g of head h of
-// batch row b at b * batch + h * head + c * channel + g * group. A dynamic cache keeps a
-// channel's groups together (group = one run); the static store keeps a group's channels
-// together (channel = one run), so a decode step reads each head's codes in one stream.
-struct RunStrides {
-    int64_t batch, head, channel, group;
-    const uint8_t* head_of(const uint8_t* payload, int64_t bh, int64_t HK) const {
-        return payload + bh / HK * batch + bh % HK * head;
-    }
-};
-
 // One tile of scores: ROWS query rows of one group, tokens j0..j0+NC*VW. `qs` holds
 // q[m,c]*scale[c,g] at [c*ROWS + m], `zs` sum_c q[m,c]*zero[c,g] at [m].
 template <int64_t NC>
 static void scores_tile(const float* qs, const float* zs, int64_t rows, const uint8_t* run0,
-                        const RunStrides& at, int64_t W, int64_t bits, int64_t G, int64_t j0,
+                        int64_t channel_stride, int64_t W, int64_t bits, int64_t G, int64_t j0,
                         float* out, int64_t out_stride) {
     vf acc[ROWS][NC];
     for (int64_t m = 0; m < ROWS; ++m)
         for (int64_t k = 0; k < NC; ++k) acc[m][k] = broadcast(zs[m]);
     for (int64_t c = 0; c < W; ++c) {
-        // this channel's run of the next group: laid out a channel's groups together, the
-        // runs of a group lie a channel apart, each in its own page, past what the hardware
-        // prefetcher follows
-        __builtin_prefetch(run0 + c * at.channel + at.group + j0 * bits / 8);
+        // this channel's run of the next group: the runs of a group lie a channel apart, each
+        // in its own page, past what the hardware prefetcher follows
+        __builtin_prefetch(run0 + c * channel_stride + (G + j0) * bits / 8);
         vf codes[NC];
         for (int64_t k = 0; k < NC; ++k)
-            codes[k] = chunk(run0 + c * at.channel, bits, G, j0 + k * VW);
+            codes[k] = chunk(run0 + c * channel_stride, bits, G, j0 + k * VW);
         for (int64_t m = 0; m < ROWS; ++m) {
             const vf sv = broadcast(qs[c * ROWS + m]);
             for (int64_t k = 0; k < NC; ++k) acc[m][k] += sv * codes[k];
@@ -113,11 +101,11 @@ static void scores_tile(const float* qs, const float* zs, int64_t rows, const ui
 }
 
 // Scores of `rows` (<= ROWS) query rows q (rows, W) against one group of per-channel codes:
-// channel c's run at run0 + c * at.channel, its scale and zero point at
+// channel c's run at run0 + c * channel_stride, its scale and zero point at
 // scale[c * scale_stride]; out[m * out_stride + j] for the group's G tokens. `qs`: (W + 1) *
 // ROWS floats of work.
 static void group_scores(const float* q, int64_t rows, const float* scale, const float* zero,
-                         int64_t scale_stride, const uint8_t* run0, const RunStrides& at,
+                         int64_t scale_stride, const uint8_t* run0, int64_t channel_stride,
                          int64_t W, int64_t bits, int64_t G, float* qs, float* out,
                          int64_t out_stride) {
     float* zs = qs + W * ROWS;
@@ -132,10 +120,10 @@ static void group_scores(const float* q, int64_t rows, const float* scale, const
     }
     for (int64_t j0 = 0; j0 < G;) {
         if (G - j0 >= 4 * VW) {
-            scores_tile<4>(qs, zs, rows, run0, at, W, bits, G, j0, out, out_stride);
+            scores_tile<4>(qs, zs, rows, run0, channel_stride, W, bits, G, j0, out, out_stride);
             j0 += 4 * VW;
         } else {
-            scores_tile<2>(qs, zs, rows, run0, at, W, bits, G, j0, out, out_stride);
+            scores_tile<2>(qs, zs, rows, run0, channel_stride, W, bits, G, j0, out, out_stride);
             j0 += 2 * VW;
         }
     }
@@ -204,11 +192,11 @@ static inline float* thread_work(float* work, int64_t per_thread) {
 }
 
 // work: threads * (W + 1) * ROWS floats.
-static void scores_kernel(const float* q, const uint8_t* payload, const RunStrides& at,
-                          const float* scale, const float* zero, float* out, float* work,
-                          int64_t B, int64_t HK, int64_t M, int64_t W, int64_t groups, int64_t G,
-                          int64_t bits, int threads) {
-    const int64_t BH = B * HK, tiles = tiles_of(M);
+static void scores_kernel(const float* q, const uint8_t* payload, const float* scale,
+                                 const float* zero, float* out, float* work, int64_t BH,
+                                 int64_t M, int64_t W, int64_t groups, int64_t G, int64_t bits,
+                                 int threads) {
+    const int64_t run_bytes = G * bits / 8, tiles = tiles_of(M);
 #pragma omp parallel for collapse(3) num_threads(threads)
     for (int64_t bh = 0; bh < BH; ++bh) {
         for (int64_t g = 0; g < groups; ++g) {
@@ -216,8 +204,8 @@ static void scores_kernel(const float* q, const uint8_t* payload, const RunStrid
                 const int64_t m0 = tile * ROWS, rows = M - m0 < ROWS ? M - m0 : ROWS;
                 group_scores(q + (bh * M + m0) * W, rows, scale + bh * W * groups + g,
                              zero + bh * W * groups + g, groups,
-                             at.head_of(payload, bh, HK) + g * at.group, at, W, bits, G,
-                             thread_work(work, (W + 1) * ROWS),
+                             payload + (bh * W * groups + g) * run_bytes, groups * run_bytes, W,
+                             bits, G, thread_work(work, (W + 1) * ROWS),
                              out + (bh * M + m0) * groups * G + g * G, groups * G);
             }
         }
@@ -268,13 +256,13 @@ static inline vf exp_nonpositive(vf x) {
 
 // work: threads * ROWS * (N + R + D + 1 + VCG * Gv) floats.
 static void attention_kernel(
-        const float* q, const uint8_t* k_payload, const RunStrides& k_at, const float* k_scale,
-        const float* k_zero, const uint8_t* v_payload, const float* v_scale, const float* v_zero,
+        const float* q, const uint8_t* k_payload, const float* k_scale, const float* k_zero,
+        const uint8_t* v_payload, const float* v_scale, const float* v_zero,
         const float* k_window, const float* v_window, const float* bias, float* out, float* work,
         int64_t B, int64_t HK, int64_t M, int64_t T, int64_t D, int64_t groups, int64_t G,
         int64_t k_bits, int64_t NV, int64_t VCG, int64_t Gv, int64_t v_bits, int64_t R,
         float softmax_scale, int threads) {
-    const int64_t N = groups * G, P = N + R, v_run = Gv * v_bits / 8;
+    const int64_t N = groups * G, P = N + R, k_run = G * k_bits / 8, v_run = Gv * v_bits / 8;
     const int64_t tiles = tiles_of(M), v_width = VCG * Gv;
 #pragma omp parallel for collapse(2) num_threads(threads)
     for (int64_t bh = 0; bh < B * HK; ++bh) {
@@ -286,7 +274,7 @@ static void attention_kernel(
             const float* qb = q + (bh * M + m0) * D;
             for (int64_t g = 0; g < groups; ++g)  // scores of the code slots
                 group_scores(qb, rows, k_scale + bh * D * groups + g, k_zero + bh * D * groups + g,
-                             groups, k_at.head_of(k_payload, bh, HK) + g * k_at.group, k_at, D,
+                             groups, k_payload + (bh * D * groups + g) * k_run, groups * k_run, D,
                              k_bits, G, qs, probs + g * G, P);
             for (int64_t r = 0; r < R; ++r) {  // scores of the window rows
                 const float* kr = k_window + (bh * R + r) * D;
@@ -356,43 +344,36 @@ namespace {
 
 at::Tensor floats(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
-// One side's codes as the kernels read them: scales and zero points float32, the codes a
-// group holds (a run of the payload's last axis), checked, and the payload where its runs
-// lie: per channel (B, HK, W, groups, run) in any order of its axes whose runs are each
-// contiguous, so the static store's (a group's channels together) is read in place; per token
-// (B, HK, N, CG, run), contiguous.
+// One side's codes as the kernels read them: the payload contiguous, scales and zero points
+// float32, and the codes a group holds (a run of the payload's last axis), checked.
 struct Codes {
     at::Tensor payload, scale, zero;
     int64_t group;
-    RunStrides at;
 };
 
 Codes codes_of(const at::Tensor& payload, const at::Tensor& scale, const at::Tensor& zero,
-               int64_t bits, const char* op, bool per_channel = false) {
+               int64_t bits, const char* op) {
     TORCH_CHECK(payload.device().is_cpu() && payload.scalar_type() == at::kByte,
                 "lorc::", op, ": codes must be a uint8 CPU tensor");
     TORCH_CHECK(bits == 8 || bits == 4, "lorc::", op, ": codes of 8 or 4 bits, not ", bits);
     const int64_t group = payload.size(-1) * 8 / bits;
     TORCH_CHECK(group % 32 == 0, "lorc::", op,  // whole vectors of codes, for 4 bits in each half
                 ": groups of a multiple of 32 codes, not ", group);
-    const at::Tensor laid =
-        per_channel && payload.stride(4) == 1 ? payload : payload.contiguous();
-    return {laid, floats(scale), floats(zero), group,
-            {laid.stride(0), laid.stride(1), laid.stride(2), laid.stride(3)}};
+    return {payload.contiguous(), floats(scale), floats(zero), group};
 }
 
 at::Tensor code_scores(const at::Tensor& q_in, const at::Tensor& payload,
                        const at::Tensor& scale, const at::Tensor& zero, int64_t bits) {
-    const Codes keys = codes_of(payload, scale, zero, bits, "code_scores", true);
+    const Codes keys = codes_of(payload, scale, zero, bits, "code_scores");
     const at::Tensor q = floats(q_in);
     const int64_t B = q.size(0), HK = q.size(1), M = q.size(2), W = q.size(3);
     const int64_t groups = keys.payload.size(3);
     at::Tensor out = at::empty({B, HK, M, groups * keys.group}, q.options());
     const int threads = at::get_num_threads();
     at::Tensor work = at::empty({threads * (W + 1) * ROWS}, q.options());
-    scores_kernel(q.data_ptr<float>(), keys.payload.data_ptr<uint8_t>(), keys.at,
+    scores_kernel(q.data_ptr<float>(), keys.payload.data_ptr<uint8_t>(),
                   keys.scale.data_ptr<float>(), keys.zero.data_ptr<float>(),
-                  out.data_ptr<float>(), work.data_ptr<float>(), B, HK, M, W, groups,
+                  out.data_ptr<float>(), work.data_ptr<float>(), B * HK, M, W, groups,
                   keys.group, bits, threads);
     return out;
 }
@@ -418,7 +399,7 @@ at::Tensor code_attention(const at::Tensor& q_in, const at::Tensor& k_payload,
                           const at::Tensor& v_zero, int64_t v_bits,
                           const at::Tensor& k_window_in, const at::Tensor& v_window_in,
                           const at::Tensor& bias_in, double softmax_scale) {
-    const Codes keys = codes_of(k_payload, k_scale, k_zero, k_bits, "code_attention", true);
+    const Codes keys = codes_of(k_payload, k_scale, k_zero, k_bits, "code_attention");
     const Codes values = codes_of(v_payload, v_scale, v_zero, v_bits, "code_attention");
     const at::Tensor q = floats(q_in), bias = floats(bias_in);
     const at::Tensor k_window = floats(k_window_in), v_window = floats(v_window_in);
@@ -430,7 +411,7 @@ at::Tensor code_attention(const at::Tensor& q_in, const at::Tensor& k_payload,
     at::Tensor work = at::empty(
         {threads * ROWS * (groups * keys.group + R + D + 1 + channel_groups * values.group)},
         q.options());
-    attention_kernel(q.data_ptr<float>(), keys.payload.data_ptr<uint8_t>(), keys.at,
+    attention_kernel(q.data_ptr<float>(), keys.payload.data_ptr<uint8_t>(),
                      keys.scale.data_ptr<float>(), keys.zero.data_ptr<float>(),
                      values.payload.data_ptr<uint8_t>(), values.scale.data_ptr<float>(),
                      values.zero.data_ptr<float>(), k_window.data_ptr<float>(),

@@ -8,9 +8,7 @@ code ``j`` of each of the ``8 // bits`` runs of a group, the first run in the lo
 is ``zero + code·scale``):
 
 - ``code_scores(q, payload, scale, zero, bits)``: ``q (b, hk, m, w)`` against per-channel
-  codes, payload ``(b, hk, w, groups, G·bits/8)`` (read in place whatever the order of its
-  axes, each run contiguous: the static store keeps a group's runs together), scale/zero
-  ``(b, hk, w, groups)``:
+  codes, payload ``(b, hk, w, groups, G·bits/8)``, scale/zero ``(b, hk, w, groups)``:
   ``(b, hk, m, groups·G)``, the score of every slot (unscaled);
 - ``code_sums(p, payload, scale, zero, bits)``: weights ``p (b, hk, m, n)`` against
   per-token codes, payload ``(b, hk, n, cg, Gc·bits/8)``, scale/zero ``(b, hk, n, cg)``:

@@ -8,11 +8,7 @@ and written in place by ``index_copy_`` at positions computed from the tensor
 on data and a compiled decode step traces once for every position.
 
 - **per channel** (groups of G tokens): codes ``(b, h, d, slots, G·bits/8)``, scales and zero
-  points ``(b, h, d, slots)``, with ``slots = ceil(max_cache_len / G) + 1``; the codes are a
-  view of a buffer that keeps each group's ``d`` runs together (``(b, h, slots, d, ·)``), so
-  decode attention reads a head's codes in one stream where a channel's groups together
-  put each of a group's runs on its own page (``lorc::code_attention``'s key scores took
-  1.6 ms a step of the default model at 4096 tokens this way, 2.8 the other); beside them a
+  points ``(b, h, d, slots)``, with ``slots = ceil(max_cache_len / G) + 1``; beside them a
   full-precision *window* ``(b, h, G, d)`` holding the tokens of the current group (the one
   position ``cumulative_length`` falls in). A write of ``t`` tokens stages the window and the
   new tokens over the ``k = ceil(t / G) + 1`` groups from the current one (enough for any
@@ -171,14 +167,12 @@ class IntegerStaticStore:
                   ) -> QuantizedTensor:
         """Zeroed codes of one spec for the side whose full-precision part is ``window``."""
         b, h, _, d = window.shape
-        run = spec.group * spec.bits // 8
-        if spec.axis == -2:  # a group's channels together (the module docstring)
+        if spec.axis == -2:
             lead = (b, h, d, self.ring or -(-self.max_cache_len // spec.group) + 1)
-            payload = states.new_zeros(b, h, lead[3], d, run, dtype=torch.uint8).transpose(2, 3)
         else:
             lead = (b, h, self.max_cache_len, -(-d // spec.group))
-            payload = states.new_zeros(*lead, run, dtype=torch.uint8)
         scale_dtype = spec.scale_dtype or states.dtype
+        payload = states.new_zeros(*lead, spec.group * spec.bits // 8, dtype=torch.uint8)
         return QuantizedTensor(payload, states.new_zeros(lead, dtype=scale_dtype),
                                states.new_zeros(lead, dtype=scale_dtype), spec,
                                (b, h, self.max_cache_len, d), states.dtype)
