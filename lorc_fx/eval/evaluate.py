@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from lorc_fx.analysis.cache_probe import fresh_cache
 from lorc_fx.data.texts import split_paragraphs
@@ -161,28 +162,35 @@ def decoded_logits(model: nn.Module, ids: torch.Tensor, cache, prompt: int | Non
 @torch.no_grad()
 def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
                   batch_size: int = 2, reference: nn.Module | None = None,
-                  prompt: int | None = None) -> WindowScores:
+                  prompt: int | None = None, progress: str | None = None) -> WindowScores:
     """Perplexity over ``windows``, through the plain forward or (``compressed``) a fresh
     latent cache per batch, each window's first ``prompt`` tokens in one forward and the rest
     decoded one at a time (``decoded_logits``; ``None``: one forward, read back as stored),
     scored on the tokens after the first ``prompt`` (every token but the first with ``None``;
     the uncompressed model's the same with the same ``prompt``). With ``reference`` (a
     runner of the uncompressed model: its plain forward), every batch also runs through it,
-    for next-token argmax agreement and KL divergence from it over the same positions."""
+    for next-token argmax agreement and KL divergence from it over the same positions.
+    ``progress``: a progress bar of that name over the tokens read (decoding a window a
+    token a step takes minutes on a CPU)."""
     device = next(model.parameters()).device
     total, count, cache_bytes, same, kl = 0.0, 0, 0, 0, 0.0
     cache_bits = cached_values = 0
     first = 0 if prompt is None else prompt - 1  # the first logit scored
+    bar = tqdm(total=windows.numel(), desc=progress, unit="tok", disable=progress is None,
+               leave=False)
     for batch in windows.split(batch_size):
         batch = batch.to(device)
+        read = bar.n
         if compressed:
             cache = latent_cache(model, prefill_as_stored=prompt is None)
-            logits = decoded_logits(model, batch, cache, prompt)
+            logits = decoded_logits(model, batch, cache, prompt,
+                                    after_step=lambda: bar.update(len(batch)))
             cache_bytes += cache.cache_bytes()
             cache_bits += cache.cache_bits()
             cached_values += cache.cached_values()
         else:
             logits = model(batch, use_cache=False).logits
+        bar.update(batch.numel() - (bar.n - read))  # the tokens read in one forward
         logits, targets = logits[:, first:-1].float(), batch[:, first + 1:]
         total += float(torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"))
@@ -192,6 +200,7 @@ def score_windows(model: nn.Module, windows: torch.Tensor, compressed: bool,
             same += int((logits.argmax(-1) == full.argmax(-1)).sum())
             kl += sum(float(next_token_kl(f, c).sum()) for f, c in zip(full, logits))  # a window
             # at a time: float64 log-probs of a 512-token window of a 49k vocabulary are 200 MB
+    bar.close()
     compared = {} if reference is None else {"top1_agreement": same / count, "kl_mean": kl / count}
     return WindowScores(math.exp(total / count),
                         cache_bytes / windows.numel() if compressed else 0.0,
@@ -253,13 +262,14 @@ def evaluate(model: nn.Module, tokenizer, text: str, options: EvalOptions | None
     seconds = {}
     start = time.perf_counter()
     full_scores = score_windows(full_runner, windows, False, options.batch_size,
-                                prompt=options.prompt)
+                                prompt=options.prompt, progress="perplexity, full cache")
     seconds["ppl_full"] = time.perf_counter() - start
     if options.compile:
         torch._dynamo.reset()
     start = time.perf_counter()  # the reference is the eager plain forward, also when compiled
     scores = score_windows(comp_runner, windows, True, options.batch_size, reference=model,
-                           prompt=options.prompt)
+                           prompt=options.prompt, progress="perplexity, compressed cache"
+                           + ("" if options.prompt is None else ", decoded"))
     seconds["ppl_compressed_and_kl"] = time.perf_counter() - start
 
     start = time.perf_counter()
