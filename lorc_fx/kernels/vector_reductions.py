@@ -9,10 +9,11 @@ C++ kernel for x86-64 CPUs that reads the codes and never rebuilds the latent:
   ``Σ_slot p·latent``, ``(b, m, r)``: the weights added into per-codeword sums (one add a
   sub-vector a slot), then one small product with the tables.
 
-The same C++ file writes a static store's new tokens (:func:`rewritten`, the body of
-``lorc::vector_rewritten``): each token's nearest codewords packed into its blocks, in a
-call instead of a few dozen small tensor ops a run (measured 100 ms of a 390 ms decode step
-of the default model's 2.56-bit plan at 4096 tokens).
+The same C++ file decodes a side's latents (:func:`decoded`, the body of
+``lorc::vector_decode`` on CPUs) and writes a static store's new tokens (:func:`rewritten`,
+the body of ``lorc::vector_rewritten``): each token's nearest codewords packed into its
+blocks, in a call instead of a few dozen small tensor ops a run (measured 100 ms of a 390 ms
+decode step of the default model's 2.56-bit plan at 4096 tokens).
 
 Results are float32. On CPUs the C++ kernel (``vector_reductions.cpp``) is built on first use
 (``kernels.native``: once per machine, loaded with ``ctypes``); on CUDA tensors the ops run
@@ -42,6 +43,7 @@ except ImportError as error:  # Triton is optional: then CUDA tensors decode and
 
 SOURCE = Path(__file__).with_name("vector_reductions.cpp")
 BLOCK = 8  # tokens whose indices pack together (``codes.vector.BLOCK``; a test checks)
+DECODED_DIMS = (1, 2, 4, 8, 16)  # sub-vector lengths the decode kernel copies (``sub_dims``')
 
 
 @functools.cache
@@ -54,6 +56,7 @@ def _library() -> ctypes.CDLL | None:
     for name in ("lorc_vector_scores", "lorc_vector_sums"):
         getattr(lib, name).argtypes = [pointer] * 6 + [size] * 5 + [pointer] * 2 + [ctypes.c_int]
     lib.lorc_vector_rewrite.argtypes = [pointer] * 8 + [size] * 7
+    lib.lorc_vector_decode.argtypes = [pointer] * 5 + [size] * 4 + [pointer, ctypes.c_int]
     return lib
 
 
@@ -136,6 +139,27 @@ def rewritten(payload: list[Tensor], z: Tensor, scaled: list[Tensor], norms: lis
     _library().lorc_vector_rewrite(z.data_ptr(), _pointers(scaled), _pointers(norms),
                                    _pointers(payload), _pointers(out), subs, dims, ibits,
                                    len(scaled), b, t, r, payload[0].shape[2], start, staged)
+    return out
+
+
+def decoded(payload: list[Tensor], tables: list[Tensor]) -> Tensor | None:
+    """``lorc::vector_decode``'s latents ``(b, blocks·BLOCK, r)`` by the kernel, float32: each
+    slot's reconstructions copied from ``tables`` (the same floats as the op's tensor maths,
+    which unpack and gather run by run: ~60 ms of a 400 ms decode step of the default
+    model's 2.56-bit plan at 4096 tokens). None where the kernel does not serve."""
+    if payload[0].device.type != "cpu" or not native_applies(payload[0].device):
+        return None
+    if any(t.shape[2] not in DECODED_DIMS for t in tables):
+        return None
+    subs, dims, ibits, width, _, first_bits = _layout(_shapes(tables))
+    payload = [p.contiguous() for p in payload]
+    tables = [t.float().contiguous() for t in tables]
+    b, _, nbytes = payload[0].shape
+    blocks = nbytes // first_bits
+    out = tables[0].new_empty(b, blocks * BLOCK, width)
+    _library().lorc_vector_decode(_pointers(payload), _pointers(tables), subs, dims, ibits,
+                                  len(tables), b, width, blocks, out.data_ptr(),
+                                  torch.get_num_threads())
     return out
 
 

@@ -98,10 +98,10 @@ class Vector(Scheme):
 
     def limits(self) -> str:
         """Compiled decode reads the codes by table but is slower than the full cache's
-        (measured in issue #37, bench/results/long_context_vector-cpu.md, run 4)."""
+        (measured in issue #37, bench/results/long_context_vector-cpu.md, runs 4 and 9)."""
         return ("compiled decode reads the codes by table (keys cached after RoPE) or rebuilds "
                 "every key before RoPE each step (the default), and is slower than the full "
-                "cache's (the default model after 4096 tokens, one CPU thread: 0.28x its speed "
+                "cache's (the default model after 4096 tokens, one CPU thread: 0.33x its speed "
                 "at 2.56 bits, 0.64x with rope='commute', which costs more quality); Inductor "
                 "takes 2-8 minutes to compile it")
 

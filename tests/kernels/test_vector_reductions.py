@@ -56,6 +56,23 @@ def test_scores_and_sums_are_those_of_the_decoded_latent(layout, batch, blocks, 
     assert_float32_close(sums, p.double(), latent, blocks * BLOCK + 256)
 
 
+@native
+@settings(max_examples=30, deadline=None)
+@given(layout=runs, batch=st.integers(1, 3), blocks=st.integers(1, 12),
+       threads=st.sampled_from([1, 2, 5]), seed=st.integers(0, 99))
+def test_the_decode_copies_every_slots_reconstructions(layout, batch, blocks, threads, seed):
+    """``lorc::vector_decode``'s kernel: the latent the tensor maths decode, bit for bit, for
+    any runs, blocks and threads (more threads than blocks too)."""
+    payload, tables, latent = side(torch.Generator().manual_seed(seed), batch, blocks, layout)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = vector_reductions.decoded(payload, tables)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(got, latent.float())
+
+
 def test_the_kernel_packs_blocks_as_the_codes_do():
     assert vector_reductions.BLOCK == BLOCK
 

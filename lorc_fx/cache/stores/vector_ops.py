@@ -53,6 +53,9 @@ def _(z, codewords):
 @custom_op("lorc::vector_decode", mutates_args=())
 def vector_decode(payload: list[Tensor], values: list[Tensor]) -> Tensor:
     """The latents ``(b, blocks·BLOCK, r)`` of every block of ``payload``."""
+    by_kernel = vector_reductions.decoded(payload, values)
+    if by_kernel is not None:
+        return by_kernel.to(values[0].dtype)
     return rebuilt(unpacked_runs(payload, values), values).contiguous()
 
 
