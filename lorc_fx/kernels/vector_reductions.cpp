@@ -401,27 +401,29 @@ extern "C" void lorc_vector_decode(const uint8_t* const* payloads, const float* 
                                    const int64_t* ibits, int64_t runs, int64_t B, int64_t R,
                                    int64_t blocks, float* out, int threads) {
     const Layout L(payloads, tables, subs, dims, ibits, runs, R, blocks);
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t k = 0; k < blocks; ++k) {
-            std::vector<int32_t> at(L.sub_total * BLOCK);
-            L.entries_of_block(b, k, at.data());
-            for (int64_t i = 0; i < BLOCK; ++i) {
-                float* row = out + (b * blocks * BLOCK + k * BLOCK + i) * R;
-                for (int64_t u = 0; u < runs; ++u) {
-                    const int64_t d = dims[u];
-                    const int32_t* entry = at.data() + L.sub_at[u] * BLOCK + i;
-                    float* channels = row + L.first[u];
-                    const float* table = tables[u];
-                    const int64_t S = subs[u], first = L.table_at[u];
-                    switch (d) {  // a copy of constant size: a move or two, not a call
-                        case 1: copy_subs<1>(channels, table, entry, S, first); break;
-                        case 2: copy_subs<2>(channels, table, entry, S, first); break;
-                        case 4: copy_subs<4>(channels, table, entry, S, first); break;
-                        case 8: copy_subs<8>(channels, table, entry, S, first); break;
-                        default: copy_subs<16>(channels, table, entry, S, first);  // the caller
-                    }  // checks that every run's d is one of these five
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<int32_t> at(L.sub_total * BLOCK);  // a block's entries, this thread's
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t k = 0; k < blocks; ++k) {
+                L.entries_of_block(b, k, at.data());
+                for (int64_t i = 0; i < BLOCK; ++i) {
+                    float* row = out + (b * blocks * BLOCK + k * BLOCK + i) * R;
+                    for (int64_t u = 0; u < runs; ++u) {
+                        const int32_t* entry = at.data() + L.sub_at[u] * BLOCK + i;
+                        float* channels = row + L.first[u];
+                        const float* table = tables[u];
+                        const int64_t S = subs[u], first = L.table_at[u];
+                        switch (dims[u]) {  // a copy of constant size: a move or two, not a call
+                            case 1: copy_subs<1>(channels, table, entry, S, first); break;
+                            case 2: copy_subs<2>(channels, table, entry, S, first); break;
+                            case 4: copy_subs<4>(channels, table, entry, S, first); break;
+                            case 8: copy_subs<8>(channels, table, entry, S, first); break;
+                            default: copy_subs<16>(channels, table, entry, S, first);  // the
+                        }  // caller checks that every run's d is one of these five
+                    }
                 }
             }
-        }
+    }
 }
