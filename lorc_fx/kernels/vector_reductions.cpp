@@ -27,7 +27,8 @@
 // codeword channels (AVX2 gathers) was slower than both (bench/vector_reductions.py times the
 // ops: bench/results/vector_reductions-cpu.md).
 //
-// lorc_vector_rewrite, at the end, is a static store's write (lorc::vector_rewritten).
+// lorc_vector_rewrite, at the end, is a static store's write (lorc::vector_rewritten), and
+// lorc_vector_decode, last, a side's latents decoded (lorc::vector_decode on CPUs).
 #include <immintrin.h>
 
 #include <cstdint>
