@@ -98,7 +98,8 @@ def main() -> None:
     ms = {name: [] for name in variants}
     names = list(variants)
     for round_ in range(args.rounds):
-        for name in names[round_ % 3:] + names[:round_ % 3]:
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
             model, cache = variants[name]
             ms[name].append(decode_step_ms(model, ids, args.new_tokens, cache,
                                            args.warmup_steps))

@@ -416,13 +416,15 @@ extern "C" void lorc_vector_decode(const uint8_t* const* payloads, const float* 
                         float* channels = row + L.first[u];
                         const float* table = tables[u];
                         const int64_t S = subs[u], first = L.table_at[u];
-                        switch (dims[u]) {  // a copy of constant size: a move or two, not a call
+                        // a copy of constant size (a move or two, not a call); the caller
+                        // checks that every run's d is one of these five
+                        switch (dims[u]) {
                             case 1: copy_subs<1>(channels, table, entry, S, first); break;
                             case 2: copy_subs<2>(channels, table, entry, S, first); break;
                             case 4: copy_subs<4>(channels, table, entry, S, first); break;
                             case 8: copy_subs<8>(channels, table, entry, S, first); break;
-                            default: copy_subs<16>(channels, table, entry, S, first);  // the
-                        }  // caller checks that every run's d is one of these five
+                            default: copy_subs<16>(channels, table, entry, S, first);
+                        }
                     }
                 }
             }

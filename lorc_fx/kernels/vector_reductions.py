@@ -147,15 +147,13 @@ def decoded(payload: list[Tensor], tables: list[Tensor]) -> Tensor | None:
     slot's reconstructions copied from ``tables`` (the same floats as the op's tensor maths,
     which unpack and gather run by run: ~60 ms of a 400 ms decode step of the default
     model's 2.56-bit plan at 4096 tokens). None where the kernel does not serve."""
-    if payload[0].device.type != "cpu" or not native_applies(payload[0].device):
+    if (payload[0].device.type != "cpu" or _library() is None
+            or any(t.shape[2] not in DECODED_DIMS for t in tables)):
         return None
-    if any(t.shape[2] not in DECODED_DIMS for t in tables):
-        return None
-    subs, dims, ibits, width, _, first_bits = _layout(_shapes(tables))
+    subs, dims, ibits, width, _, _ = _layout(_shapes(tables))
+    blocks, b = _blocks(payload, tables), payload[0].shape[0]
     payload = [p.contiguous() for p in payload]
     tables = [t.float().contiguous() for t in tables]
-    b, _, nbytes = payload[0].shape
-    blocks = nbytes // first_bits
     out = tables[0].new_empty(b, blocks * BLOCK, width)
     _library().lorc_vector_decode(_pointers(payload), _pointers(tables), subs, dims, ibits,
                                   len(tables), b, width, blocks, out.data_ptr(),
