@@ -19,7 +19,7 @@ products ``q·scale`` are per group, ``n / G`` times fewer than the codes).
 
 A side stored as product vector codes (``lorc::vector_latents``' arguments, tagged
 ``VECTOR``) is read the same way by ``_VectorPositions``: scores by a table of the query's dot
-products with the codewords and value sums by per-codeword sums of the weights
+products with the codewords, value sums decoding 8 slots at a time in the kernel
 (``lorc::vector_scores`` / ``vector_sums``), each row's sink by its latent.
 
 Attention runs over a side's *positions*: the codes' slots, then the window's rows

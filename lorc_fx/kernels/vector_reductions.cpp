@@ -15,16 +15,17 @@
 //   rows: one lookup of M contiguous floats a sub-vector, instead of R multiply-adds a row
 //   over a decoded latent.
 // - lorc_vector_sums: weights p (B, M, blocks * 8) over every slot: out (B, M, R) = sum_j
-//   p[., j] * latent_j. Each slot's M weights are added to the row of each of its sub-vectors'
-//   entries, hist (E, M) (one add of M floats a sub-vector), then out[m][s] = sum_k
-//   hist[k][m] * table[s][k].
+//   p[., j] * latent_j. Each block's 8 latents are decoded into L1 (decode_rows) and added in,
+//   weighted, to the M rows of out: the latent is never written to memory.
 //
-// Both sum in float32 in another order than decoding and multiplying. Slots are split in
-// `threads` chunks; each sums into its own table (work: B * chunks * E * M floats), added up
-// at the end. Measured on the 2-core x86-64 (Zen 3) machine, one thread, at 4096 slots of the
-// default model's layer layouts, this and decoding 32 tokens at a time into L1 then multiplying
-// took the same time (1.0-1.5 ms a side); at 8192 slots the tables were 10-30% faster; gathering
-// codeword channels (AVX2 gathers) was slower than both (bench/vector_reductions.py times the
+// Scores sum in float32 in another order than decoding and multiplying; sums decode and
+// multiply, a block at a time. Slots are split in `threads` chunks (sums: each into its own
+// rows, work: B * chunks * M * R floats, added up at the end). Measured on the 2-core x86-64
+// (Zen 5) machine, one thread, 4096 slots of the default 2.56-bit plan's 30 layers, M = 9: the
+// scores' table 15 ms against 18 decoding the side and multiplying; the sums decoded a block
+// at a time 24.5 ms against 44.8 by per-codeword sums of the weights (a table of E * M floats
+// read and written once a sub-vector a slot; bench/results/long_context_vector-cpu.md, run
+// 10) and ~22 decoding the whole side and multiplying (bench/vector_reductions.py times the
 // ops: bench/results/vector_reductions-cpu.md).
 //
 // lorc_vector_rewrite, at the end, is a static store's write (lorc::vector_rewritten), and
@@ -62,13 +63,15 @@ static inline void unpack_block(const uint8_t* p, int32_t* idx) {
 }
 
 // Block k of every sub-vector of one run (S of them, `stride` bytes apart), as table entries
-// from `base` (K a sub-vector): at[s * BLOCK + i].
+// from `base` (K a sub-vector), token by token `pitch` apart: at[i * pitch + s].
 template <int IB>
-static void run_entries(const uint8_t* row, int64_t S, int64_t stride, int32_t base, int32_t* at) {
+static void run_entries(const uint8_t* row, int64_t S, int64_t stride, int32_t base,
+                        int64_t pitch, int32_t* at) {
+    int32_t idx[BLOCK];
     for (int64_t s = 0; s < S; ++s) {
-        unpack_block<IB>(row + s * stride, at + s * BLOCK);
+        unpack_block<IB>(row + s * stride, idx);
         const int32_t first = base + int32_t(s << IB);
-        for (int i = 0; i < BLOCK; ++i) at[s * BLOCK + i] += first;
+        for (int i = 0; i < BLOCK; ++i) at[i * pitch + s] = idx[i] + first;
     }
 }
 
@@ -96,26 +99,74 @@ struct Layout {
     }
 
     // Every sub-vector's 8 indices of block `k` of row b, as entries of the table of all
-    // runs: at[sub * BLOCK + i] = table entry of token i.
+    // runs, token by token: at[i * sub_total + sub] = table entry of token i's sub-vector.
     void entries_of_block(int64_t b, int64_t k, int32_t* at) const {
         for (int64_t u = 0; u < runs; ++u) {
-            const int64_t ib = ibits[u], S = subs[u];
+            const int64_t ib = ibits[u], S = subs[u], stride = blocks * ib;
             const uint8_t* row = payloads[u] + b * S * blocks * ib + k * ib;
-            int32_t* out = at + sub_at[u] * BLOCK;
+            int32_t* out = at + sub_at[u];
             const int32_t base = int32_t(table_at[u]);
             switch (ib) {
-                case 1: run_entries<1>(row, S, blocks * ib, base, out); break;
-                case 2: run_entries<2>(row, S, blocks * ib, base, out); break;
-                case 3: run_entries<3>(row, S, blocks * ib, base, out); break;
-                case 4: run_entries<4>(row, S, blocks * ib, base, out); break;
-                case 5: run_entries<5>(row, S, blocks * ib, base, out); break;
-                case 6: run_entries<6>(row, S, blocks * ib, base, out); break;
-                case 7: run_entries<7>(row, S, blocks * ib, base, out); break;
-                default: run_entries<8>(row, S, blocks * ib, base, out);
+                case 1: run_entries<1>(row, S, stride, base, sub_total, out); break;
+                case 2: run_entries<2>(row, S, stride, base, sub_total, out); break;
+                case 3: run_entries<3>(row, S, stride, base, sub_total, out); break;
+                case 4: run_entries<4>(row, S, stride, base, sub_total, out); break;
+                case 5: run_entries<5>(row, S, stride, base, sub_total, out); break;
+                case 6: run_entries<6>(row, S, stride, base, sub_total, out); break;
+                case 7: run_entries<7>(row, S, stride, base, sub_total, out); break;
+                default: run_entries<8>(row, S, stride, base, sub_total, out);
             }
         }
     }
 };
+
+// One token's S sub-vectors of D channels each, copied from their table rows (entry[s]:
+// sub-vector s's entry, counted from `first`, the run's first): single channels 8 at a time
+// and pairs 4 at a time by one gather (a pair moved as one 64-bit lane), longer ones by a copy
+// of constant size.
+template <int D>
+static inline void copy_subs(float* channels, const float* table, const int32_t* entry, int64_t S,
+                             int32_t first) {
+    int64_t s = 0;
+    if constexpr (D == 1) {
+        const __m256i from = _mm256_set1_epi32(first);
+        for (; s + 8 <= S; s += 8) {
+            const __m256i at = _mm256_sub_epi32(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry + s)), from);
+            _mm256_storeu_ps(channels + s, _mm256_i32gather_ps(table, at, 4));
+        }
+    } else if constexpr (D == 2) {
+        const __m128i from = _mm_set1_epi32(first);
+        for (; s + 4 <= S; s += 4) {
+            const __m128i at = _mm_sub_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(entry + s)), from);
+            _mm256_storeu_pd(reinterpret_cast<double*>(channels + s * 2),
+                             _mm256_i32gather_pd(reinterpret_cast<const double*>(table), at, 8));
+        }
+    }
+    for (; s < S; ++s)
+        std::memcpy(channels + s * D, table + int64_t(entry[s] - first) * D, D * sizeof(float));
+}
+
+// The 8 latents of a block whose entries are `at` (entries_of_block), each R floats of lat.
+static void decode_rows(const Layout& L, const int32_t* at, float* lat) {
+    for (int64_t i = 0; i < BLOCK; ++i)
+        for (int64_t u = 0; u < L.runs; ++u) {
+            const int32_t* entry = at + i * L.sub_total + L.sub_at[u];
+            float* channels = lat + i * L.R + L.first[u];
+            const float* table = L.tables[u];
+            const int64_t S = L.subs[u];
+            const int32_t first = int32_t(L.table_at[u]);
+            // the caller checks that every run's d is one of these five
+            switch (L.dims[u]) {
+                case 1: copy_subs<1>(channels, table, entry, S, first); break;
+                case 2: copy_subs<2>(channels, table, entry, S, first); break;
+                case 4: copy_subs<4>(channels, table, entry, S, first); break;
+                case 8: copy_subs<8>(channels, table, entry, S, first); break;
+                default: copy_subs<16>(channels, table, entry, S, first);
+            }
+        }
+}
 
 static inline int64_t chunk_start(int64_t blocks, int64_t chunks, int64_t c) {
     return blocks * c / chunks;
@@ -144,7 +195,7 @@ static void scores_by_table(const Layout& L, const float* tq, int64_t M, int64_t
             for (int v = 0; v < NV; ++v) acc[0][v] = acc[1][v] = _mm256_setzero_ps();
             for (int64_t s = 0; s < subs; ++s)
                 for (int h = 0; h < 2; ++h) {
-                    const float* e = tq + int64_t(at[s * BLOCK + i + h]) * M + r0;
+                    const float* e = tq + int64_t(at[(i + h) * subs + s]) * M + r0;
                     for (int v = 0; v < NV - 1; ++v)
                         acc[h][v] = _mm256_add_ps(acc[h][v], _mm256_loadu_ps(e + v * 8));
                     acc[h][NV - 1] = _mm256_add_ps(
@@ -155,33 +206,6 @@ static void scores_by_table(const Layout& L, const float* tq, int64_t M, int64_t
         }
         for (int64_t m = 0; m < rows; ++m)
             for (int64_t i = 0; i < BLOCK; ++i) out[(r0 + m) * slots + k * BLOCK + i] = tile[i][m];
-    }
-}
-
-// Row b's weights of blocks k0..k1, query rows r0..r0+rows, added into hist (E, M): NV whole
-// vectors of rows, the rest one by one (a masked store is slow: 2x the whole sums on Zen 3).
-template <int NV>
-static void sums_into_table(const Layout& L, const float* p, int64_t M, int64_t r0, int64_t rows,
-                            int64_t b, int64_t k0, int64_t k1, float* hist, int32_t* at) {
-    const int64_t slots = L.blocks * BLOCK, subs = L.sub_total, whole = NV * 8;
-    alignas(32) float tile[BLOCK][ROWS] = {};
-    for (int64_t k = k0; k < k1; ++k) {
-        L.entries_of_block(b, k, at);
-        for (int64_t m = 0; m < rows; ++m)
-            for (int64_t i = 0; i < BLOCK; ++i) tile[i][m] = p[(r0 + m) * slots + k * BLOCK + i];
-        for (int64_t i = 0; i < BLOCK; ++i) {
-            __m256 w[NV > 0 ? NV : 1];
-            for (int v = 0; v < NV; ++v) w[v] = _mm256_load_ps(tile[i] + v * 8);
-            float rest[8];
-            const int64_t tail = rows - whole;
-            for (int64_t t = 0; t < tail; ++t) rest[t] = tile[i][whole + t];
-            for (int64_t s = 0; s < subs; ++s) {
-                float* e = hist + int64_t(at[s * BLOCK + i]) * M + r0;
-                for (int64_t t = 0; t < tail; ++t) e[whole + t] += rest[t];
-                for (int v = 0; v < NV; ++v)
-                    _mm256_storeu_ps(e + v * 8, _mm256_add_ps(_mm256_loadu_ps(e + v * 8), w[v]));
-            }
-        }
     }
 }
 
@@ -247,57 +271,38 @@ extern "C" void lorc_vector_sums(const float* p, const uint8_t* const* payloads,
                                  int64_t B, int64_t M, int64_t R, int64_t blocks, float* out,
                                  float* work, int threads) {
     const Layout L(payloads, tables, subs, dims, ibits, runs, R, blocks);
-    const int64_t E = L.entries, slots = blocks * BLOCK, chunks = threads;
-    // work (B, chunks, E, M): each chunk's per-entry sums of the weights
-    std::memset(work, 0, sizeof(float) * B * chunks * E * M);
+    const int64_t slots = blocks * BLOCK, chunks = threads;
+    // work (B, chunks, M, R): each chunk's sums
+    std::memset(work, 0, sizeof(float) * B * chunks * M * R);
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t b = 0; b < B; ++b)
         for (int64_t c = 0; c < chunks; ++c) {
             std::vector<int32_t> at(L.sub_total * BLOCK);
+            std::vector<float> lat(BLOCK * R);  // a block's latents, in L1
+            const float* l = lat.data();
+            float* sums = work + (b * chunks + c) * M * R;
             const int64_t k0 = chunk_start(blocks, chunks, c), k1 = chunk_start(blocks, chunks, c + 1);
-            for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-                const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;
-                float* hist = work + (b * chunks + c) * E * M;
-                const float* pb = p + b * M * slots;
-                switch (rows / 8) {
-                    case 0: sums_into_table<0>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
-                    case 1: sums_into_table<1>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
-                    case 2: sums_into_table<2>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
-                    case 3: sums_into_table<3>(L, pb, M, r0, rows, b, k0, k1, hist, at.data()); break;
-                    default: sums_into_table<4>(L, pb, M, r0, rows, b, k0, k1, hist, at.data());
+            for (int64_t k = k0; k < k1; ++k) {
+                L.entries_of_block(b, k, at.data());
+                decode_rows(L, at.data(), lat.data());
+                for (int64_t m = 0; m < M; ++m) {
+                    const float* w = p + (b * M + m) * slots + k * BLOCK;
+                    float* row = sums + m * R;
+#pragma omp simd
+                    for (int64_t x = 0; x < R; ++x)
+                        row[x] += w[0] * l[x] + w[1] * l[R + x] + w[2] * l[2 * R + x] +
+                                  w[3] * l[3 * R + x] + w[4] * l[4 * R + x] +
+                                  w[5] * l[5 * R + x] + w[6] * l[6 * R + x] + w[7] * l[7 * R + x];
                 }
             }
         }
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-        float* hist = work + b * chunks * E * M;  // chunk 0's, the others added in
-        for (int64_t c = 1; c < chunks; ++c) {
-            const float* other = work + (b * chunks + c) * E * M;
-            for (int64_t x = 0; x < E * M; ++x) hist[x] += other[x];
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t x = 0; x < M * R; ++x) {
+            float total = 0.f;
+            for (int64_t c = 0; c < chunks; ++c) total += work[(b * chunks + c) * M * R + x];
+            out[b * M * R + x] = total;
         }
-        // out[m][c] = sum_k hist[k][m] * table[k][c], 8 rows a vector (reading up to 7
-        // floats past an entry's rows: work has 8 past the table)
-        const int64_t MP = (M + 7) / 8 * 8;
-        std::vector<float> rows(MP);
-        for (int64_t u = 0; u < runs; ++u) {
-            const int64_t d = dims[u], K = int64_t(1) << ibits[u];
-            for (int64_t s = 0; s < subs[u]; ++s) {
-                const float* hs = hist + (L.table_at[u] + s * K) * M;
-                for (int64_t j = 0; j < d; ++j) {
-                    const float* column = tables[u] + s * K * d + j;
-                    for (int64_t v = 0; v < MP; v += 8) {
-                        __m256 acc = _mm256_setzero_ps();
-                        for (int64_t k = 0; k < K; ++k)
-                            acc = _mm256_fmadd_ps(_mm256_set1_ps(column[k * d]),
-                                                  _mm256_loadu_ps(hs + k * M + v), acc);
-                        _mm256_storeu_ps(rows.data() + v, acc);
-                    }
-                    for (int64_t m = 0; m < M; ++m)
-                        out[(b * M + m) * R + L.first[u] + s * d + j] = rows[m];
-                }
-            }
-        }
-    }
 }
 
 // The 8 indices idx packed into one block of IB bytes at p (unpack_block's inverse).
@@ -385,15 +390,6 @@ extern "C" void lorc_vector_rewrite(const float* z, const float* const* scaled,
     }
 }
 
-// One token's S sub-vectors of D channels each, copied from their table rows (entries from
-// `first`, the run's first; entry[s * BLOCK] is sub-vector s's).
-template <int D>
-static inline void copy_subs(float* channels, const float* table, const int32_t* entry, int64_t S,
-                             int64_t first) {
-    for (int64_t s = 0; s < S; ++s)
-        std::memcpy(channels + s * D, table + (entry[s * BLOCK] - first) * D, D * sizeof(float));
-}
-
 // lorc::vector_decode's body: every slot's latent, out (B, blocks * 8, R), each sub-vector's
 // reconstruction copied from its table (the same floats as decoding with tensor ops, which
 // unpack every run with a dozen small ops and gather run by run, then concatenate).
@@ -409,24 +405,7 @@ extern "C" void lorc_vector_decode(const uint8_t* const* payloads, const float* 
         for (int64_t b = 0; b < B; ++b)
             for (int64_t k = 0; k < blocks; ++k) {
                 L.entries_of_block(b, k, at.data());
-                for (int64_t i = 0; i < BLOCK; ++i) {
-                    float* row = out + (b * blocks * BLOCK + k * BLOCK + i) * R;
-                    for (int64_t u = 0; u < runs; ++u) {
-                        const int32_t* entry = at.data() + L.sub_at[u] * BLOCK + i;
-                        float* channels = row + L.first[u];
-                        const float* table = tables[u];
-                        const int64_t S = subs[u], first = L.table_at[u];
-                        // a copy of constant size (a move or two, not a call); the caller
-                        // checks that every run's d is one of these five
-                        switch (dims[u]) {
-                            case 1: copy_subs<1>(channels, table, entry, S, first); break;
-                            case 2: copy_subs<2>(channels, table, entry, S, first); break;
-                            case 4: copy_subs<4>(channels, table, entry, S, first); break;
-                            case 8: copy_subs<8>(channels, table, entry, S, first); break;
-                            default: copy_subs<16>(channels, table, entry, S, first);
-                        }
-                    }
-                }
+                decode_rows(L, at.data(), out + (b * blocks + k) * BLOCK * R);
             }
     }
 }

@@ -1,13 +1,15 @@
 """Decode attention's two reductions over product vector codes (``codes.vector``), as ops with a
-C++ kernel for x86-64 CPUs that reads the codes and never rebuilds the latent:
+C++ kernel for x86-64 CPUs that reads the codes and never writes the latent to memory:
 
 - ``vector_scores(q, payload, tables)``: ``q (b, m, r)`` against every slot of a side's codes
   (each run's packed indices ``(b, S, blocks·index bytes)``, its reconstructions ``(S, K, d)``):
   ``(b, m, blocks·BLOCK)``, unscaled. The kernel builds each query row's table of dot products
   with every codeword once a step; a slot's score is then one lookup a sub-vector.
 - ``vector_sums(p, payload, tables)``: weights ``p (b, m, blocks·BLOCK)`` over every slot:
-  ``Σ_slot p·latent``, ``(b, m, r)``: the weights added into per-codeword sums (one add a
-  sub-vector a slot), then one small product with the tables.
+  ``Σ_slot p·latent``, ``(b, m, r)``: each block of 8 slots decoded into L1 and added in,
+  weighted (on CUDA, Triton's: the weights added into per-codeword sums, then one small
+  product with the tables). Sub-vectors of 1, 2, 4, 8 or 16 channels (``DECODED_DIMS``: all
+  that ``codes.vector`` makes).
 
 The same C++ file decodes a side's latents (:func:`decoded`, the body of
 ``lorc::vector_decode`` on CPUs) and writes a static store's new tokens (:func:`rewritten`,
@@ -103,9 +105,10 @@ def _call(name: str, x: Tensor, payload: list[Tensor], tables: list[Tensor], out
     payload = [p.contiguous() for p in payload]
     tables = [t.float().contiguous() for t in tables]
     threads = torch.get_num_threads()
-    # the scores' table of dot products, or each thread's per-entry sums of the weights, and
-    # the 8 floats past them the kernel's vectors may touch
-    work = x.new_empty(b * threads * m * entries + 8)
+    # the scores' table of dot products (and the 8 floats past it the kernel's vectors may
+    # touch), or each thread's sums
+    work = x.new_empty(b * m * entries + 8 if name == "lorc_vector_scores"
+                       else b * threads * m * width)
     getattr(_library(), name)(
         x.data_ptr(), _pointers(payload), _pointers(tables), subs, dims, ibits, len(tables), b, m,
         width, payload[0].shape[-1] // first_bits, out.data_ptr(), work.data_ptr(), threads)
@@ -174,6 +177,9 @@ def vector_scores(q: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Ten
 def vector_sums(p: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Tensor:
     """``Σ_slot p·latent`` for weights ``p (b, m, blocks·BLOCK)``: ``(b, m, r)``."""
     _served(p, "vector_sums")
+    if any(t.shape[2] not in DECODED_DIMS for t in tables) and p.device.type == "cpu":
+        raise ValueError(f"lorc::vector_sums decodes sub-vectors of {DECODED_DIMS} channels, "
+                         f"not {sorted({int(t.shape[2]) for t in tables})}")
     b, m, _ = p.shape
     out = p.new_empty(b, m, _width(tables), dtype=torch.float32)
     return _call("lorc_vector_sums", p.float().contiguous(), payload, tables, out)

@@ -97,12 +97,12 @@ class Vector(Scheme):
         return f"vector codes; basis={o.basis}, rope={o.rope}"
 
     def limits(self) -> str:
-        """Compiled decode reads the codes by table but is slower than the full cache's
-        (measured in issue #37, bench/results/long_context_vector-cpu.md, runs 4 and 9)."""
-        return ("compiled decode reads the codes by table (keys cached after RoPE) or rebuilds "
+        """Compiled decode reads the codes but is slower than the full cache's (measured in
+        issue #37, bench/results/long_context_vector-cpu.md, run 10)."""
+        return ("compiled decode reads the codes (keys cached after RoPE) or rebuilds "
                 "every key before RoPE each step (the default), and is slower than the full "
-                "cache's (the default model after 4096 tokens, one CPU thread: 0.33x its speed "
-                "at 2.56 bits, 0.64x with rope='commute', which costs more quality); Inductor "
+                "cache's (the default model after 4096 tokens, one CPU thread: 0.35x its speed "
+                "at 2.56 bits, 0.76x with rope='commute', which costs more quality); Inductor "
                 "takes 2-8 minutes to compile it")
 
     def summary(self, plan: Plan) -> str:

@@ -1,5 +1,6 @@
 """The C++ kernel of ``lorc::vector_scores`` / ``vector_sums`` (product vector codes read by
-table lookups and per-codeword sums) against float64 maths over the codes decoded."""
+table lookups, value sums over blocks decoded in L1) against float64 maths over the codes
+decoded."""
 from __future__ import annotations
 
 import platform
@@ -75,6 +76,15 @@ def test_the_decode_copies_every_slots_reconstructions(layout, batch, blocks, th
 
 def test_the_kernel_packs_blocks_as_the_codes_do():
     assert vector_reductions.BLOCK == BLOCK
+
+
+@native
+def test_the_sums_refuse_sub_vectors_the_decode_does_not_copy():
+    """The sums decode each block, by copies of 1, 2, 4, 8 or 16 channels (all that the codes
+    make): any other width is refused, naming the widths, rather than summed wrong."""
+    payload, tables, _ = side(torch.Generator().manual_seed(0), 1, 2, [(2, 3, 2)])
+    with pytest.raises(ValueError, match=r"\(1, 2, 4, 8, 16\) channels, not \[3\]"):
+        vector_reductions.vector_sums(torch.rand(1, 2, 2 * BLOCK), payload, tables)
 
 
 @native

@@ -33,8 +33,9 @@ A side stored as product vector codes reaches the graph as ``lorc.vector_latents
 tables, window, ...)`` (its codes decoded, then its window, its sink over its position). In
 decode graphs it is read the same way: scores and value sums over the codes
 (``lorc::vector_scores`` / ``vector_sums``: a table of the query's dot products with the
-codewords, per-codeword sums of the weights), the latent never rebuilt; keys cached before
-RoPE are still rebuilt from their decoded latent, their values read from the codes.
+codewords, the weighted sum of each block of 8 slots decoded in L1), the latent never written
+out; keys cached before RoPE are still rebuilt from their decoded latent, their values read
+from the codes.
 
 A prefill (more than ``cache.layers.PREFILL_TOKENS`` incoming tokens) attends its own tokens
 as computed: its SDPA reads them concatenated after the earlier ones rebuilt (or alone), no
