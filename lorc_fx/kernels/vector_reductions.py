@@ -97,13 +97,22 @@ def _pointers(tensors: list[Tensor]):
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
+def _operands(payload: list[Tensor], tables: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+    """The codes and float32 tables, contiguous, as the kernels read them."""
+    return [p.contiguous() for p in payload], [t.float().contiguous() for t in tables]
+
+
+def _decodes(tables: list[Tensor]) -> bool:
+    """Whether the kernel's decode copies every run's sub-vectors (``DECODED_DIMS``)."""
+    return all(t.shape[2] in DECODED_DIMS for t in tables)
+
+
 def _call(name: str, x: Tensor, payload: list[Tensor], tables: list[Tensor], out: Tensor
           ) -> Tensor:
     """Run kernel ``name`` on ``x (b, m, ·)`` and the codes into ``out``."""
     b, m = x.shape[:2]
     subs, dims, ibits, width, entries, first_bits = _layout(_shapes(tables))
-    payload = [p.contiguous() for p in payload]
-    tables = [t.float().contiguous() for t in tables]
+    payload, tables = _operands(payload, tables)
     threads = torch.get_num_threads()
     # the scores' table of dot products (and the 8 floats past it the kernel's vectors may
     # touch), or each thread's sums
@@ -150,13 +159,11 @@ def decoded(payload: list[Tensor], tables: list[Tensor]) -> Tensor | None:
     slot's reconstructions copied from ``tables`` (the same floats as the op's tensor maths,
     which unpack and gather run by run: ~60 ms of a 400 ms decode step of the default
     model's 2.56-bit plan at 4096 tokens). None where the kernel does not serve."""
-    if (payload[0].device.type != "cpu" or _library() is None
-            or any(t.shape[2] not in DECODED_DIMS for t in tables)):
+    if payload[0].device.type != "cpu" or _library() is None or not _decodes(tables):
         return None
     subs, dims, ibits, width, _, _ = _layout(_shapes(tables))
     blocks, b = _blocks(payload, tables), payload[0].shape[0]
-    payload = [p.contiguous() for p in payload]
-    tables = [t.float().contiguous() for t in tables]
+    payload, tables = _operands(payload, tables)
     out = tables[0].new_empty(b, blocks * BLOCK, width)
     _library().lorc_vector_decode(_pointers(payload), _pointers(tables), subs, dims, ibits,
                                   len(tables), b, width, blocks, out.data_ptr(),
@@ -177,7 +184,7 @@ def vector_scores(q: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Ten
 def vector_sums(p: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Tensor:
     """``Σ_slot p·latent`` for weights ``p (b, m, blocks·BLOCK)``: ``(b, m, r)``."""
     _served(p, "vector_sums")
-    if any(t.shape[2] not in DECODED_DIMS for t in tables) and p.device.type == "cpu":
+    if not _decodes(tables):  # on CPUs (CUDA tensors go to the Triton kernel)
         raise ValueError(f"lorc::vector_sums decodes sub-vectors of {DECODED_DIMS} channels, "
                          f"not {sorted({int(t.shape[2]) for t in tables})}")
     b, m, _ = p.shape
