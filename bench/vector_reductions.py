@@ -10,12 +10,22 @@ indices are random (the time does not depend on them). One query token: ``h`` ro
 query heads) against the shared latent. ``sdpa``: ``scaled_dot_product_attention`` of the
 same query heads over float32 keys and values of the layer's full width (``enable_gqa``).
 Each figure is the median of 20 calls after one, summed over the plan's layers.
+
+``--against OLD.cpp`` times the C++ kernels of this checkout against another version of
+``lorc_fx/kernels/vector_reductions.cpp`` (``git show REV:lorc_fx/kernels/vector_reductions.cpp
+> OLD.cpp``) in one process: the three kernels a compiled decode step calls (the keys' scores,
+the values' sums, a side decoded), each over every layer at once, the two builds alternated
+call by call over ``--rounds`` rounds; their outputs must agree (scores and sums to float32
+rounding, decodes bit for bit). Query rows: ``--rows`` (9: one token of the default model's
+query heads; 45: five draft tokens).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -27,6 +37,7 @@ from lorc_fx.cache.stores.vector_ops import vector_decode
 from lorc_fx.codes.integer import pack_bits
 from lorc_fx.codes.vector import BLOCK
 from lorc_fx.kernels import vector_reductions  # noqa: F401  (registers the ops)
+from lorc_fx.kernels.native import build
 
 
 def median_ms(fn, calls: int = 20) -> float:
@@ -61,14 +72,99 @@ def layer_times(layer, heads: int, head_dim: int, tokens: int, gen) -> dict[str,
     }
 
 
+def _kernels(lib: ctypes.CDLL) -> ctypes.CDLL:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for name in ("lorc_vector_scores", "lorc_vector_sums"):
+        getattr(lib, name).argtypes = [pointer] * 6 + [size] * 5 + [pointer] * 2 + [ctypes.c_int]
+    lib.lorc_vector_decode.argtypes = [pointer] * 5 + [size] * 4 + [pointer, ctypes.c_int]
+    return lib
+
+
+def kernel_calls(lib: ctypes.CDLL, layers, tokens: int, rows: int, gen) -> dict:
+    """One call a kernel over every layer's side: name -> (call, its outputs)."""
+    sides = []
+    for layer in layers:
+        for code in (layer.k_code, layer.v_code):
+            payload, tables = random_codes(code, tokens, gen)
+            tables = [t.float().contiguous() for t in tables]
+            subs, dims, ibits, width, entries, _ = vector_reductions._layout(
+                vector_reductions._shapes(tables))
+            args = (vector_reductions._pointers(payload), vector_reductions._pointers(tables),
+                    subs, dims, ibits, len(tables))
+            # the tensors kept beside their pointers
+            sides.append((code is layer.k_code, args, width, entries, payload, tables))
+    q = {id(s): torch.randn(1, rows, s[2], generator=gen) for s in sides}
+    p = torch.softmax(torch.randn(1, rows, tokens, generator=gen), -1)
+    # work large enough for any version's kernels: a scores' table padded to lines of 16
+    work = torch.empty(-(-rows // 16) * 16 * max(s[3] for s in sides) + 16)
+    outs = {"scores": [torch.empty(1, rows, tokens) for s in sides if s[0]],
+            "sums": [torch.empty(1, rows, s[2]) for s in sides if not s[0]],
+            "decode": [torch.empty(1, tokens, s[2]) for s in sides if s[0]]}
+
+    def scores():
+        for side, out in zip([s for s in sides if s[0]], outs["scores"]):
+            lib.lorc_vector_scores(q[id(side)].data_ptr(), *side[1], 1, rows, side[2],
+                                   tokens // BLOCK, out.data_ptr(), work.data_ptr(), 1)
+
+    def sums():
+        for side, out in zip([s for s in sides if not s[0]], outs["sums"]):
+            lib.lorc_vector_sums(p.data_ptr(), *side[1], 1, rows, side[2], tokens // BLOCK,
+                                 out.data_ptr(), work.data_ptr(), 1)
+
+    def decode():
+        for side, out in zip([s for s in sides if s[0]], outs["decode"]):
+            lib.lorc_vector_decode(*side[1], 1, side[2], tokens // BLOCK, out.data_ptr(), 1)
+
+    return {"scores": (scores, outs["scores"]), "sums": (sums, outs["sums"]),
+            "decode": (decode, outs["decode"])}
+
+
+def against(args, layers) -> None:
+    """This checkout's kernels against ``args.against``'s, alternated in one process."""
+    libs = {"this": _kernels(vector_reductions._library()),
+            "against": _kernels(build(Path(args.against), "the kernels compared against"))}
+    record = {"plan": args.plan, "against": args.against, "rows": args.rows,
+              "threads": torch.get_num_threads(), "machine": platform.machine(), "runs": []}
+    for tokens in args.contexts:
+        calls = {n: kernel_calls(lib, layers, tokens, args.rows, torch.Generator().manual_seed(0))
+                 for n, lib in libs.items()}
+        for kernel in ("scores", "sums", "decode"):
+            for name in libs:
+                calls[name][kernel][0]()
+            mine, theirs = calls["this"][kernel][1], calls["against"][kernel][1]
+            agree = all(torch.equal(a, b) if kernel == "decode" else
+                        torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(mine, theirs))
+            if not agree:
+                raise SystemExit(f"{kernel} at {tokens} tokens: the two builds disagree")
+            ms = {name: [] for name in libs}
+            for round_ in range(args.rounds):
+                for name in list(libs)[round_ % 2:] + list(libs)[:round_ % 2]:
+                    start = time.perf_counter()
+                    calls[name][kernel][0]()
+                    ms[name].append(1e3 * (time.perf_counter() - start))
+            run = {"tokens": tokens, "kernel": kernel, "ms": ms,
+                   "median_ms": {n: statistics.median(v) for n, v in ms.items()}}
+            record["runs"].append(run)
+            print(f"{tokens} tokens, {kernel} over {len(calls['this'][kernel][1])} sides: this "
+                  f"{run['median_ms']['this']:.2f} ms, against {run['median_ms']['against']:.2f}"
+                  f" ms (medians of {args.rounds})", flush=True)
+    with Path(args.out).with_suffix(".jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("plan")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--out", default="bench/results/vector_reductions-cpu")
+    parser.add_argument("--against", help="another version of vector_reductions.cpp to time")
+    parser.add_argument("--rows", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     plan = load_plan(args.plan)
     layers = [l for l in plan.layers if l.k_code is not None and l.v_code is not None]
+    if args.against:
+        return against(args, layers)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for tokens in args.contexts:

@@ -10,23 +10,26 @@
 // codewords together are the E = sum_u S_u * K_u *entries* of one table.
 //
 // - lorc_vector_scores: q (B, M, R) against every slot: out (B, M, blocks * 8). First each
-//   entry's dot products with the M query rows, table_q (E, M) (M * sum_u S_u K_u d_u
-//   multiply-adds a step); then a slot's M scores are the sum of its sub-vectors' entries'
-//   rows: one lookup of M contiguous floats a sub-vector, instead of R multiply-adds a row
-//   over a decoded latent.
+//   entry's dot products with the M query rows, table_q (E, M padded to lines of 16 floats,
+//   one 64-byte line an entry for M <= 16; M * sum_u S_u K_u d_u multiply-adds a step); then a
+//   slot's M scores are the sum of its sub-vectors' entries' lines: one lookup a sub-vector,
+//   instead of R multiply-adds a row over a decoded latent.
 // - lorc_vector_sums: weights p (B, M, blocks * 8) over every slot: out (B, M, R) = sum_j
-//   p[., j] * latent_j. Each block's 8 latents are decoded into L1 (decode_rows) and added in,
+//   p[., j] * latent_j. Each block's 8 latents are decoded into L1 (decode_block) and added in,
 //   weighted, to the M rows of out: the latent is never written to memory.
 //
+// Every kernel walks the codes a block at a time and, within it, run by run and sub-vector by
+// sub-vector: each sub-vector's 8 indices are unpacked into registers and used at once (the
+// 8 slots' lookups, or their codewords copied), the loop compiled for the run's index width.
 // Scores sum in float32 in another order than decoding and multiplying; sums decode and
 // multiply, a block at a time. Slots are split in `threads` chunks (sums: each into its own
 // rows, work: B * chunks * M * R floats, added up at the end). Measured on the 2-core x86-64
-// (Zen 5) machine, one thread, 4096 slots of the default 2.56-bit plan's 30 layers, M = 9: the
-// scores' table 15 ms against 18 decoding the side and multiplying; the sums decoded a block
-// at a time 24.5 ms against 44.8 by per-codeword sums of the weights (a table of E * M floats
-// read and written once a sub-vector a slot; bench/results/long_context_vector-cpu.md, run
-// 10) and ~22 decoding the whole side and multiplying (bench/vector_reductions.py times the
-// ops: bench/results/vector_reductions-cpu.md).
+// (Zen 5) machine, one thread, 4096 slots, M = 9, every layer of a 2.56-bit plan, this file
+// against its version of d0dc2f1 (which unpacked a block's indices into a table of entries
+// first), both in one process (bench/vector_reductions.py --against; run 11 of
+// bench/results/long_context_vector-cpu.md): the keys' scores 8.6 ms against 11.7, the values'
+// sums 10.2 against 15.0, the keys' decode 8.1 against 11.7; SDPA over the same layers' full
+// float32 cache took ~17 (bench/results/vector_reductions-cpu.md).
 //
 // lorc_vector_rewrite, at the end, is a static store's write (lorc::vector_rewritten), and
 // lorc_vector_decode, last, a side's latents decoded (lorc::vector_decode on CPUs).
@@ -34,13 +37,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 constexpr int64_t BLOCK = 8;  // tokens whose indices pack together
-constexpr int64_t ROWS = 32;  // query rows a pass over the slots serves (4 vectors)
 
 // The 8 indices of one block of one sub-vector, packed in IB bytes at p.
 template <int IB>
@@ -62,16 +65,19 @@ static inline void unpack_block(const uint8_t* p, int32_t* idx) {
     }
 }
 
-// Block k of every sub-vector of one run (S of them, `stride` bytes apart), as table entries
-// from `base` (K a sub-vector), token by token `pitch` apart: at[i * pitch + s].
-template <int IB>
-static void run_entries(const uint8_t* row, int64_t S, int64_t stride, int32_t base,
-                        int64_t pitch, int32_t* at) {
-    int32_t idx[BLOCK];
-    for (int64_t s = 0; s < S; ++s) {
-        unpack_block<IB>(row + s * stride, idx);
-        const int32_t first = base + int32_t(s << IB);
-        for (int i = 0; i < BLOCK; ++i) at[i * pitch + s] = idx[i] + first;
+// f(std::integral_constant<int, IB>) for the index bits ib (1..8): the kernels' loops over a
+// run's blocks are compiled once per index width.
+template <class F>
+static inline void by_index_bits(int64_t ib, F&& f) {
+    switch (ib) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        default: f(std::integral_constant<int, 8>{});
     }
 }
 
@@ -80,8 +86,8 @@ struct Layout {
     const float* const* tables;
     const int64_t *subs, *dims, *ibits;
     int64_t runs, R, blocks;
-    std::vector<int64_t> first, table_at, sub_at;  // per run: first channel, table entry, sub
-    int64_t entries = 0, sub_total = 0;            // sum_u S_u * K_u, sum_u S_u
+    std::vector<int64_t> first, table_at;  // per run: its first channel, its first table entry
+    int64_t entries = 0;                   // sum_u S_u * K_u
 
     Layout(const uint8_t* const* p, const float* const* t, const int64_t* s, const int64_t* d,
            const int64_t* ib, int64_t runs_, int64_t R_, int64_t blocks_)
@@ -91,119 +97,116 @@ struct Layout {
         for (int64_t u = 0; u < runs; ++u) {
             first.push_back(channel);
             table_at.push_back(entries);
-            sub_at.push_back(sub_total);
             channel += subs[u] * dims[u];
             entries += subs[u] * (int64_t(1) << ibits[u]);
-            sub_total += subs[u];
         }
     }
 
-    // Every sub-vector's 8 indices of block `k` of row b, as entries of the table of all
-    // runs, token by token: at[i * sub_total + sub] = table entry of token i's sub-vector.
-    void entries_of_block(int64_t b, int64_t k, int32_t* at) const {
-        for (int64_t u = 0; u < runs; ++u) {
-            const int64_t ib = ibits[u], S = subs[u], stride = blocks * ib;
-            const uint8_t* row = payloads[u] + b * S * blocks * ib + k * ib;
-            int32_t* out = at + sub_at[u];
-            const int32_t base = int32_t(table_at[u]);
-            switch (ib) {
-                case 1: run_entries<1>(row, S, stride, base, sub_total, out); break;
-                case 2: run_entries<2>(row, S, stride, base, sub_total, out); break;
-                case 3: run_entries<3>(row, S, stride, base, sub_total, out); break;
-                case 4: run_entries<4>(row, S, stride, base, sub_total, out); break;
-                case 5: run_entries<5>(row, S, stride, base, sub_total, out); break;
-                case 6: run_entries<6>(row, S, stride, base, sub_total, out); break;
-                case 7: run_entries<7>(row, S, stride, base, sub_total, out); break;
-                default: run_entries<8>(row, S, stride, base, sub_total, out);
-            }
-        }
+    // Run u's packed indices of row b, block k: S_u runs of ib_u bytes, stride() apart.
+    const uint8_t* block(int64_t u, int64_t b, int64_t k) const {
+        return payloads[u] + b * subs[u] * stride(u) + k * ibits[u];
     }
+    int64_t stride(int64_t u) const { return blocks * ibits[u]; }
 };
 
-// One token's S sub-vectors of D channels each, copied from their table rows (entry[s]:
-// sub-vector s's entry, counted from `first`, the run's first): single channels 8 at a time
-// and pairs 4 at a time by one gather (a pair moved as one 64-bit lane), longer ones by a copy
-// of constant size.
-template <int D>
-static inline void copy_subs(float* channels, const float* table, const int32_t* entry, int64_t S,
-                             int32_t first) {
-    int64_t s = 0;
-    if constexpr (D == 1) {
-        const __m256i from = _mm256_set1_epi32(first);
-        for (; s + 8 <= S; s += 8) {
-            const __m256i at = _mm256_sub_epi32(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(entry + s)), from);
-            _mm256_storeu_ps(channels + s, _mm256_i32gather_ps(table, at, 4));
-        }
-    } else if constexpr (D == 2) {
-        const __m128i from = _mm_set1_epi32(first);
-        for (; s + 4 <= S; s += 4) {
-            const __m128i at = _mm_sub_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(entry + s)), from);
-            _mm256_storeu_pd(reinterpret_cast<double*>(channels + s * 2),
-                             _mm256_i32gather_pd(reinterpret_cast<const double*>(table), at, 8));
-        }
+// Run u's sub-vectors of D channels in one block: each of its S sub-vectors' 8 indices
+// (`stride` bytes apart from `row`) unpacked and the 8 slots' codewords copied into lat (8 rows
+// of R floats, from the run's first channel).
+template <int IB, int D>
+static inline void run_decode(const uint8_t* row, int64_t S, int64_t stride, const float* table,
+                              int64_t R, float* lat) {
+    int32_t idx[BLOCK];
+    for (int64_t s = 0; s < S; ++s) {
+        unpack_block<IB>(row + s * stride, idx);
+        const float* words = table + (s << IB) * D;
+        for (int i = 0; i < BLOCK; ++i)
+            std::memcpy(lat + i * R + s * D, words + int64_t(idx[i]) * D, D * sizeof(float));
     }
-    for (; s < S; ++s)
-        std::memcpy(channels + s * D, table + int64_t(entry[s] - first) * D, D * sizeof(float));
 }
 
-// The 8 latents of a block whose entries are `at` (entries_of_block), each R floats of lat.
-static void decode_rows(const Layout& L, const int32_t* at, float* lat) {
-    for (int64_t i = 0; i < BLOCK; ++i)
-        for (int64_t u = 0; u < L.runs; ++u) {
-            const int32_t* entry = at + i * L.sub_total + L.sub_at[u];
-            float* channels = lat + i * L.R + L.first[u];
-            const float* table = L.tables[u];
-            const int64_t S = L.subs[u];
-            const int32_t first = int32_t(L.table_at[u]);
-            // the caller checks that every run's d is one of these five
-            switch (L.dims[u]) {
-                case 1: copy_subs<1>(channels, table, entry, S, first); break;
-                case 2: copy_subs<2>(channels, table, entry, S, first); break;
-                case 4: copy_subs<4>(channels, table, entry, S, first); break;
-                case 8: copy_subs<8>(channels, table, entry, S, first); break;
-                default: copy_subs<16>(channels, table, entry, S, first);
-            }
-        }
+template <int IB>
+static inline void run_decode(int64_t D, const uint8_t* row, int64_t S, int64_t stride,
+                              const float* table, int64_t R, float* lat) {
+    switch (D) {  // the callers check that every run's d is one of these five
+        case 1: run_decode<IB, 1>(row, S, stride, table, R, lat); break;
+        case 2: run_decode<IB, 2>(row, S, stride, table, R, lat); break;
+        case 4: run_decode<IB, 4>(row, S, stride, table, R, lat); break;
+        case 8: run_decode<IB, 8>(row, S, stride, table, R, lat); break;
+        default: run_decode<IB, 16>(row, S, stride, table, R, lat);
+    }
+}
+
+// The 8 latents of row b's block k, each R floats of lat.
+static void decode_block(const Layout& L, int64_t b, int64_t k, float* lat) {
+    for (int64_t u = 0; u < L.runs; ++u) {
+        const uint8_t* row = L.block(u, b, k);
+        const int64_t S = L.subs[u], stride = L.stride(u), d = L.dims[u];
+        const float* table = L.tables[u];
+        float* at = lat + L.first[u];
+        by_index_bits(L.ibits[u],
+                      [&](auto IB) { run_decode<IB>(d, row, S, stride, table, L.R, at); });
+    }
 }
 
 static inline int64_t chunk_start(int64_t blocks, int64_t chunks, int64_t c) {
     return blocks * c / chunks;
 }
 
-// The lanes of a vector of query rows past `tail` rows masked out (all on for a whole one).
-static inline __m256i rows_mask(int64_t tail) {
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(tail)), lanes);
+// A table entry's dot products with the query rows, LINE floats (one 64-byte line), zero past
+// the last row: a lookup adds one line, whole.
+constexpr int64_t LINE = 16;
+#ifdef __AVX512F__
+struct Line {
+    __m512 v;
+    static Line zero() { return {_mm512_setzero_ps()}; }
+    void add(const float* e) { v = _mm512_add_ps(v, _mm512_loadu_ps(e)); }
+    void store(float* to) const { _mm512_store_ps(to, v); }
+};
+#else
+struct Line {
+    __m256 lo, hi;
+    static Line zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    void add(const float* e) {
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(e));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(e + 8));
+    }
+    void store(float* to) const {
+        _mm256_store_ps(to, lo);
+        _mm256_store_ps(to + 8, hi);
+    }
+};
+#endif
+
+// Run u's lookups for block k: each of its S sub-vectors' 8 indices (`stride` bytes apart from
+// `row`) unpacked and their table lines added to the 8 slots' sums. t: the run's first line.
+template <int IB>
+static inline void run_lookups(const uint8_t* row, int64_t S, int64_t stride, const float* t,
+                               int64_t pitch, Line* acc) {
+    int32_t idx[BLOCK];
+    for (int64_t s = 0; s < S; ++s) {
+        unpack_block<IB>(row + s * stride, idx);
+        const float* sub = t + (s << IB) * pitch;
+        for (int i = 0; i < BLOCK; ++i) acc[i].add(sub + int64_t(idx[i]) * pitch);
+    }
 }
 
-// Scores of row b's blocks k0..k1 for query rows r0..r0+rows of table_q (E, M), NV vectors of
-// rows (the last one masked to `rows`), two slots at a time (independent sums in flight).
-// out (M, slots).
-template <int NV>
-static void scores_by_table(const Layout& L, const float* tq, int64_t M, int64_t r0,
-                            int64_t rows, int64_t b, int64_t k0, int64_t k1, float* out,
-                            int32_t* at) {
-    const int64_t slots = L.blocks * BLOCK, subs = L.sub_total;
-    const __m256i last = rows_mask(rows - (NV - 1) * 8);
-    alignas(32) float tile[BLOCK][ROWS];
+// Scores of row b's blocks k0..k1 for the query rows of line `line` of table_q (E, pitch):
+// the 8 slots of a block at once (8 independent sums in flight). out (M, slots).
+static void scores_by_table(const Layout& L, const float* tq, int64_t pitch, int64_t line,
+                            int64_t rows, int64_t b, int64_t k0, int64_t k1, float* out) {
+    const int64_t slots = L.blocks * BLOCK, r0 = line * LINE;
+    alignas(64) float tile[BLOCK][LINE];
     for (int64_t k = k0; k < k1; ++k) {
-        L.entries_of_block(b, k, at);
-        for (int64_t i = 0; i < BLOCK; i += 2) {
-            __m256 acc[2][NV];
-            for (int v = 0; v < NV; ++v) acc[0][v] = acc[1][v] = _mm256_setzero_ps();
-            for (int64_t s = 0; s < subs; ++s)
-                for (int h = 0; h < 2; ++h) {
-                    const float* e = tq + int64_t(at[(i + h) * subs + s]) * M + r0;
-                    for (int v = 0; v < NV - 1; ++v)
-                        acc[h][v] = _mm256_add_ps(acc[h][v], _mm256_loadu_ps(e + v * 8));
-                    acc[h][NV - 1] = _mm256_add_ps(
-                        acc[h][NV - 1], _mm256_maskload_ps(e + (NV - 1) * 8, last));
-                }
-            for (int h = 0; h < 2; ++h)
-                for (int v = 0; v < NV; ++v) _mm256_store_ps(tile[i + h] + v * 8, acc[h][v]);
+        Line acc[BLOCK];
+        for (int i = 0; i < BLOCK; ++i) acc[i] = Line::zero();
+        for (int64_t u = 0; u < L.runs; ++u) {
+            const uint8_t* row = L.block(u, b, k);
+            const int64_t S = L.subs[u], stride = L.stride(u);
+            const float* t = tq + L.table_at[u] * pitch + r0;
+            by_index_bits(L.ibits[u],
+                          [&](auto IB) { run_lookups<IB>(row, S, stride, t, pitch, acc); });
         }
+        for (int i = 0; i < BLOCK; ++i) acc[i].store(tile[i]);
         for (int64_t m = 0; m < rows; ++m)
             for (int64_t i = 0; i < BLOCK; ++i) out[(r0 + m) * slots + k * BLOCK + i] = tile[i][m];
     }
@@ -215,11 +218,10 @@ extern "C" void lorc_vector_scores(const float* q, const uint8_t* const* payload
                                    int64_t B, int64_t M, int64_t R, int64_t blocks, float* out,
                                    float* work, int threads) {
     const Layout L(payloads, tables, subs, dims, ibits, runs, R, blocks);
-    const int64_t E = L.entries, slots = blocks * BLOCK, chunks = threads;
-    // work (B, E, M): every entry's dot products with the query rows, 8 rows a vector
+    const int64_t E = L.entries, chunks = threads, MP = (M + LINE - 1) / LINE * LINE;
+    // work (B, E, MP): every entry's dot products with the query rows, LINE floats a line
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
-        const int64_t MP = (M + 7) / 8 * 8;
         std::vector<float> qt(R * MP, 0.f);  // the query rows transposed, (R, MP)
         for (int64_t m = 0; m < M; ++m)
             for (int64_t c = 0; c < R; ++c) qt[c * MP + m] = q[(b * M + m) * R + c];
@@ -229,19 +231,13 @@ extern "C" void lorc_vector_scores(const float* q, const uint8_t* const* payload
                 for (int64_t k = 0; k < K; ++k) {
                     const float* word = tables[u] + (s * K + k) * d;
                     const float* qs = qt.data() + (L.first[u] + s * d) * MP;
-                    float* entry = work + (b * E + L.table_at[u] + s * K + k) * M;
+                    float* entry = work + (b * E + L.table_at[u] + s * K + k) * MP;
                     for (int64_t v = 0; v < MP; v += 8) {
                         __m256 acc = _mm256_setzero_ps();
                         for (int64_t j = 0; j < d; ++j)
                             acc = _mm256_fmadd_ps(_mm256_set1_ps(word[j]),
                                                   _mm256_loadu_ps(qs + j * MP + v), acc);
-                        if (v + 8 <= M) {
-                            _mm256_storeu_ps(entry + v, acc);
-                        } else {  // the last rows, not past them (another row's table)
-                            alignas(32) float last[8];
-                            _mm256_store_ps(last, acc);
-                            std::memcpy(entry + v, last, sizeof(float) * (M - v));
-                        }
+                        _mm256_storeu_ps(entry + v, acc);
                     }
                 }
         }
@@ -249,18 +245,11 @@ extern "C" void lorc_vector_scores(const float* q, const uint8_t* const* payload
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t b = 0; b < B; ++b)
         for (int64_t c = 0; c < chunks; ++c) {
-            std::vector<int32_t> at(L.sub_total * BLOCK);
             const int64_t k0 = chunk_start(blocks, chunks, c), k1 = chunk_start(blocks, chunks, c + 1);
-            for (int64_t r0 = 0; r0 < M; r0 += ROWS) {  // passes of NV vectors of rows
-                const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;
-                const float* tq = work + b * E * M;
-                float* ob = out + b * M * slots;
-                switch ((rows + 7) / 8) {
-                    case 1: scores_by_table<1>(L, tq, M, r0, rows, b, k0, k1, ob, at.data()); break;
-                    case 2: scores_by_table<2>(L, tq, M, r0, rows, b, k0, k1, ob, at.data()); break;
-                    case 3: scores_by_table<3>(L, tq, M, r0, rows, b, k0, k1, ob, at.data()); break;
-                    default: scores_by_table<4>(L, tq, M, r0, rows, b, k0, k1, ob, at.data());
-                }
+            for (int64_t line = 0; line * LINE < M; ++line) {
+                const int64_t rows = M - line * LINE < LINE ? M - line * LINE : LINE;
+                scores_by_table(L, work + b * E * MP, MP, line, rows, b, k0, k1,
+                                out + b * M * blocks * BLOCK);
             }
         }
 }
@@ -277,14 +266,12 @@ extern "C" void lorc_vector_sums(const float* p, const uint8_t* const* payloads,
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t b = 0; b < B; ++b)
         for (int64_t c = 0; c < chunks; ++c) {
-            std::vector<int32_t> at(L.sub_total * BLOCK);
             std::vector<float> lat(BLOCK * R);  // a block's latents, in L1
             const float* l = lat.data();
             float* sums = work + (b * chunks + c) * M * R;
             const int64_t k0 = chunk_start(blocks, chunks, c), k1 = chunk_start(blocks, chunks, c + 1);
             for (int64_t k = k0; k < k1; ++k) {
-                L.entries_of_block(b, k, at.data());
-                decode_rows(L, at.data(), lat.data());
+                decode_block(L, b, k, lat.data());
                 for (int64_t m = 0; m < M; ++m) {
                     const float* w = p + (b * M + m) * slots + k * BLOCK;
                     float* row = sums + m * R;
@@ -374,16 +361,7 @@ extern "C" void lorc_vector_rewrite(const float* z, const float* const* scaled,
                     const int32_t index = nearest(z + (b * T + i) * R + first + s * d,
                                                   scaled[u] + s * K * d, norms[u] + s * K, K, d);
                     uint8_t* block = dst + at / BLOCK * ib;
-                    switch (ib) {
-                        case 1: set_index<1>(block, at % BLOCK, index); break;
-                        case 2: set_index<2>(block, at % BLOCK, index); break;
-                        case 3: set_index<3>(block, at % BLOCK, index); break;
-                        case 4: set_index<4>(block, at % BLOCK, index); break;
-                        case 5: set_index<5>(block, at % BLOCK, index); break;
-                        case 6: set_index<6>(block, at % BLOCK, index); break;
-                        case 7: set_index<7>(block, at % BLOCK, index); break;
-                        default: set_index<8>(block, at % BLOCK, index);
-                    }
+                    by_index_bits(ib, [&](auto IB) { set_index<IB>(block, at % BLOCK, index); });
                 }
             }
         first += S * d;
@@ -400,12 +378,12 @@ extern "C" void lorc_vector_decode(const uint8_t* const* payloads, const float* 
     const Layout L(payloads, tables, subs, dims, ibits, runs, R, blocks);
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<int32_t> at(L.sub_total * BLOCK);  // a block's entries, this thread's
+        std::vector<float> lat(BLOCK * R);  // a block's latents, in L1, then copied out whole
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; ++b)
             for (int64_t k = 0; k < blocks; ++k) {
-                L.entries_of_block(b, k, at.data());
-                decode_rows(L, at.data(), out + (b * blocks + k) * BLOCK * R);
+                decode_block(L, b, k, lat.data());
+                std::memcpy(out + (b * blocks + k) * BLOCK * R, lat.data(), sizeof(float) * BLOCK * R);
             }
     }
 }

@@ -46,6 +46,7 @@ except ImportError as error:  # Triton is optional: then CUDA tensors decode and
 SOURCE = Path(__file__).with_name("vector_reductions.cpp")
 BLOCK = 8  # tokens whose indices pack together (``codes.vector.BLOCK``; a test checks)
 DECODED_DIMS = (1, 2, 4, 8, 16)  # sub-vector lengths the decode kernel copies (``sub_dims``')
+LINE = 16  # floats of a scores' table entry, its query rows' dot products padded (the kernel's)
 
 
 @functools.cache
@@ -114,9 +115,9 @@ def _call(name: str, x: Tensor, payload: list[Tensor], tables: list[Tensor], out
     subs, dims, ibits, width, entries, first_bits = _layout(_shapes(tables))
     payload, tables = _operands(payload, tables)
     threads = torch.get_num_threads()
-    # the scores' table of dot products (and the 8 floats past it the kernel's vectors may
-    # touch), or each thread's sums
-    work = x.new_empty(b * m * entries + 8 if name == "lorc_vector_scores"
+    # the scores' table: each entry's dot products with the query rows, padded to lines of
+    # LINE floats; or each thread's sums
+    work = x.new_empty(b * -(-m // LINE) * LINE * entries if name == "lorc_vector_scores"
                        else b * threads * m * width)
     getattr(_library(), name)(
         x.data_ptr(), _pointers(payload), _pointers(tables), subs, dims, ibits, len(tables), b, m,

@@ -101,8 +101,8 @@ class Vector(Scheme):
         issue #37, bench/results/long_context_vector-cpu.md, run 10)."""
         return ("compiled decode reads the codes (keys cached after RoPE) or rebuilds "
                 "every key before RoPE each step (the default), and is slower than the full "
-                "cache's (the default model after 4096 tokens, one CPU thread: 0.35-0.46x its "
-                "speed at 2.56 bits, 0.76x with rope='commute', which costs more quality); "
+                "cache's (the default model after 4096 tokens, one CPU thread: 0.34-0.46x its "
+                "speed at 2.56 bits, 0.76-0.78x with rope='commute', which costs more quality); "
                 "Inductor takes 2-8 minutes to compile it")
 
     def summary(self, plan: Plan) -> str:
