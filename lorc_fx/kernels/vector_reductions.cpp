@@ -109,19 +109,27 @@ struct Layout {
     int64_t stride(int64_t u) const { return blocks * ibits[u]; }
 };
 
-// Run u's sub-vectors of D channels in one block: each of its S sub-vectors' 8 indices
-// (`stride` bytes apart from `row`) unpacked and the 8 slots' codewords copied into lat (8 rows
-// of R floats, from the run's first channel).
-template <int IB, int D>
-static inline void run_decode(const uint8_t* row, int64_t S, int64_t stride, const float* table,
-                              int64_t R, float* lat) {
+// use(s, idx) for each of a run's S sub-vectors in one block, idx its 8 slots' indices
+// (unpacked from IB bytes, `stride` apart from `row`).
+template <int IB, class F>
+static inline void each_sub(const uint8_t* row, int64_t S, int64_t stride, F&& use) {
     int32_t idx[BLOCK];
     for (int64_t s = 0; s < S; ++s) {
         unpack_block<IB>(row + s * stride, idx);
+        use(s, idx);
+    }
+}
+
+// A run's sub-vectors of D channels in one block: the 8 slots' codewords copied into lat (8
+// rows of R floats, from the run's first channel).
+template <int IB, int D>
+static inline void run_decode(const uint8_t* row, int64_t S, int64_t stride, const float* table,
+                              int64_t R, float* lat) {
+    each_sub<IB>(row, S, stride, [&](int64_t s, const int32_t* idx) {
         const float* words = table + (s << IB) * D;
         for (int i = 0; i < BLOCK; ++i)
             std::memcpy(lat + i * R + s * D, words + int64_t(idx[i]) * D, D * sizeof(float));
-    }
+    });
 }
 
 template <int IB>
@@ -177,17 +185,15 @@ struct Line {
 };
 #endif
 
-// Run u's lookups for block k: each of its S sub-vectors' 8 indices (`stride` bytes apart from
-// `row`) unpacked and their table lines added to the 8 slots' sums. t: the run's first line.
+// A run's lookups in one block: each sub-vector's table lines added to the 8 slots' sums. t:
+// the run's first line.
 template <int IB>
 static inline void run_lookups(const uint8_t* row, int64_t S, int64_t stride, const float* t,
                                int64_t pitch, Line* acc) {
-    int32_t idx[BLOCK];
-    for (int64_t s = 0; s < S; ++s) {
-        unpack_block<IB>(row + s * stride, idx);
+    each_sub<IB>(row, S, stride, [&](int64_t s, const int32_t* idx) {
         const float* sub = t + (s << IB) * pitch;
         for (int i = 0; i < BLOCK; ++i) acc[i].add(sub + int64_t(idx[i]) * pitch);
-    }
+    });
 }
 
 // Scores of row b's blocks k0..k1 for the query rows of line `line` of table_q (E, pitch):
