@@ -22,7 +22,6 @@ query heads; 45: five draft tokens).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
 import statistics
@@ -72,15 +71,7 @@ def layer_times(layer, heads: int, head_dim: int, tokens: int, gen) -> dict[str,
     }
 
 
-def _kernels(lib: ctypes.CDLL) -> ctypes.CDLL:
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for name in ("lorc_vector_scores", "lorc_vector_sums"):
-        getattr(lib, name).argtypes = [pointer] * 6 + [size] * 5 + [pointer] * 2 + [ctypes.c_int]
-    lib.lorc_vector_decode.argtypes = [pointer] * 5 + [size] * 4 + [pointer, ctypes.c_int]
-    return lib
-
-
-def kernel_calls(lib: ctypes.CDLL, layers, tokens: int, rows: int, gen) -> dict:
+def kernel_calls(lib, layers, tokens: int, rows: int, gen) -> dict:
     """One call a kernel over every layer's side: name -> (call, its outputs)."""
     sides = []
     for layer in layers:
@@ -121,8 +112,8 @@ def kernel_calls(lib: ctypes.CDLL, layers, tokens: int, rows: int, gen) -> dict:
 
 def against(args, layers) -> None:
     """This checkout's kernels against ``args.against``'s, alternated in one process."""
-    libs = {"this": _kernels(vector_reductions._library()),
-            "against": _kernels(build(Path(args.against), "the kernels compared against"))}
+    libs = {"this": vector_reductions._library(), "against": vector_reductions._typed(
+        build(Path(args.against), "the kernels compared against"))}
     record = {"plan": args.plan, "against": args.against, "rows": args.rows,
               "threads": torch.get_num_threads(), "machine": platform.machine(), "runs": []}
     for tokens in args.contexts:

@@ -218,6 +218,11 @@ static void scores_by_table(const Layout& L, const float* tq, int64_t pitch, int
     }
 }
 
+// Floats of lorc_vector_scores' work: the table of B rows' E entries, a line of M rows each.
+extern "C" int64_t lorc_vector_scores_work(int64_t B, int64_t M, int64_t E) {
+    return B * E * ((M + LINE - 1) / LINE * LINE);
+}
+
 extern "C" void lorc_vector_scores(const float* q, const uint8_t* const* payloads,
                                    const float* const* tables, const int64_t* subs,
                                    const int64_t* dims, const int64_t* ibits, int64_t runs,

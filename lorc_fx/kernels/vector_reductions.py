@@ -46,7 +46,16 @@ except ImportError as error:  # Triton is optional: then CUDA tensors decode and
 SOURCE = Path(__file__).with_name("vector_reductions.cpp")
 BLOCK = 8  # tokens whose indices pack together (``codes.vector.BLOCK``; a test checks)
 DECODED_DIMS = (1, 2, 4, 8, 16)  # sub-vector lengths the decode kernel copies (``sub_dims``')
-LINE = 16  # floats of a scores' table entry, its query rows' dot products padded (the kernel's)
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib``'s kernels given their C signatures (this file's or another version's: bench)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for name in ("lorc_vector_scores", "lorc_vector_sums"):
+        getattr(lib, name).argtypes = [pointer] * 6 + [size] * 5 + [pointer] * 2 + [ctypes.c_int]
+    lib.lorc_vector_rewrite.argtypes = [pointer] * 8 + [size] * 7
+    lib.lorc_vector_decode.argtypes = [pointer] * 5 + [size] * 4 + [pointer, ctypes.c_int]
+    return lib
 
 
 @functools.cache
@@ -55,12 +64,9 @@ def _library() -> ctypes.CDLL | None:
     lib = build(SOURCE, "decode attention over vector codes")
     if lib is None:
         return None
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for name in ("lorc_vector_scores", "lorc_vector_sums"):
-        getattr(lib, name).argtypes = [pointer] * 6 + [size] * 5 + [pointer] * 2 + [ctypes.c_int]
-    lib.lorc_vector_rewrite.argtypes = [pointer] * 8 + [size] * 7
-    lib.lorc_vector_decode.argtypes = [pointer] * 5 + [size] * 4 + [pointer, ctypes.c_int]
-    return lib
+    lib.lorc_vector_scores_work.argtypes = [ctypes.c_int64] * 3
+    lib.lorc_vector_scores_work.restype = ctypes.c_int64
+    return _typed(lib)
 
 
 def native_applies(device: torch.device) -> bool:
@@ -115,10 +121,10 @@ def _call(name: str, x: Tensor, payload: list[Tensor], tables: list[Tensor], out
     subs, dims, ibits, width, entries, first_bits = _layout(_shapes(tables))
     payload, tables = _operands(payload, tables)
     threads = torch.get_num_threads()
-    # the scores' table: each entry's dot products with the query rows, padded to lines of
-    # LINE floats; or each thread's sums
-    work = x.new_empty(b * -(-m // LINE) * LINE * entries if name == "lorc_vector_scores"
-                       else b * threads * m * width)
+    # the scores' table of each entry's dot products with the query rows (its size the
+    # kernel's to say), or each thread's sums
+    work = x.new_empty(_library().lorc_vector_scores_work(b, m, entries)
+                       if name == "lorc_vector_scores" else b * threads * m * width)
     getattr(_library(), name)(
         x.data_ptr(), _pointers(payload), _pointers(tables), subs, dims, ibits, len(tables), b, m,
         width, payload[0].shape[-1] // first_bits, out.data_ptr(), work.data_ptr(), threads)
