@@ -26,6 +26,7 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from lorc_fx.api import load_plan
 from lorc_fx.cache.stores.vector_ops import vector_decode
 from lorc_fx.codes.integer import pack_bits
 from lorc_fx.codes.vector import BLOCK
-from lorc_fx.kernels import vector_reductions  # noqa: F401  (registers the ops)
+from lorc_fx.kernels import vector_reductions  # registers the ops; its kernels for --against
 from lorc_fx.kernels.native import build
 
 
@@ -71,40 +72,52 @@ def layer_times(layer, heads: int, head_dim: int, tokens: int, gen) -> dict[str,
     }
 
 
+@dataclass
+class _Side:
+    """One side's codes as a kernel takes them (``args``), the tensors kept beside their
+    pointers."""
+    args: tuple
+    width: int
+    entries: int
+    tensors: tuple
+
+
+def _side(code, tokens: int, gen) -> _Side:
+    payload, tables = random_codes(code, tokens, gen)
+    tables = [t.float().contiguous() for t in tables]
+    subs, dims, ibits, width, entries, _ = vector_reductions._layout(
+        vector_reductions._shapes(tables))
+    args = (vector_reductions._pointers(payload), vector_reductions._pointers(tables), subs,
+            dims, ibits, len(tables))
+    return _Side(args, width, entries, (payload, tables))
+
+
 def kernel_calls(lib, layers, tokens: int, rows: int, gen) -> dict:
     """One call a kernel over every layer's side: name -> (call, its outputs)."""
-    sides = []
-    for layer in layers:
-        for code in (layer.k_code, layer.v_code):
-            payload, tables = random_codes(code, tokens, gen)
-            tables = [t.float().contiguous() for t in tables]
-            subs, dims, ibits, width, entries, _ = vector_reductions._layout(
-                vector_reductions._shapes(tables))
-            args = (vector_reductions._pointers(payload), vector_reductions._pointers(tables),
-                    subs, dims, ibits, len(tables))
-            # the tensors kept beside their pointers
-            sides.append((code is layer.k_code, args, width, entries, payload, tables))
-    q = {id(s): torch.randn(1, rows, s[2], generator=gen) for s in sides}
+    keys = [_side(layer.k_code, tokens, gen) for layer in layers]
+    values = [_side(layer.v_code, tokens, gen) for layer in layers]
+    q = [torch.randn(1, rows, side.width, generator=gen) for side in keys]
     p = torch.softmax(torch.randn(1, rows, tokens, generator=gen), -1)
     # work large enough for any version's kernels: a scores' table padded to lines of 16
-    work = torch.empty(-(-rows // 16) * 16 * max(s[3] for s in sides) + 16)
-    outs = {"scores": [torch.empty(1, rows, tokens) for s in sides if s[0]],
-            "sums": [torch.empty(1, rows, s[2]) for s in sides if not s[0]],
-            "decode": [torch.empty(1, tokens, s[2]) for s in sides if s[0]]}
+    work = torch.empty(-(-rows // 16) * 16 * max(s.entries for s in keys + values) + 16)
+    outs = {"scores": [torch.empty(1, rows, tokens) for _ in keys],
+            "sums": [torch.empty(1, rows, side.width) for side in values],
+            "decode": [torch.empty(1, tokens, side.width) for side in keys]}
+    blocks = tokens // BLOCK
 
     def scores():
-        for side, out in zip([s for s in sides if s[0]], outs["scores"]):
-            lib.lorc_vector_scores(q[id(side)].data_ptr(), *side[1], 1, rows, side[2],
-                                   tokens // BLOCK, out.data_ptr(), work.data_ptr(), 1)
+        for side, qs, out in zip(keys, q, outs["scores"]):
+            lib.lorc_vector_scores(qs.data_ptr(), *side.args, 1, rows, side.width, blocks,
+                                   out.data_ptr(), work.data_ptr(), 1)
 
     def sums():
-        for side, out in zip([s for s in sides if not s[0]], outs["sums"]):
-            lib.lorc_vector_sums(p.data_ptr(), *side[1], 1, rows, side[2], tokens // BLOCK,
+        for side, out in zip(values, outs["sums"]):
+            lib.lorc_vector_sums(p.data_ptr(), *side.args, 1, rows, side.width, blocks,
                                  out.data_ptr(), work.data_ptr(), 1)
 
     def decode():
-        for side, out in zip([s for s in sides if s[0]], outs["decode"]):
-            lib.lorc_vector_decode(*side[1], 1, side[2], tokens // BLOCK, out.data_ptr(), 1)
+        for side, out in zip(keys, outs["decode"]):
+            lib.lorc_vector_decode(*side.args, 1, side.width, blocks, out.data_ptr(), 1)
 
     return {"scores": (scores, outs["scores"]), "sums": (sums, outs["sums"]),
             "decode": (decode, outs["decode"])}

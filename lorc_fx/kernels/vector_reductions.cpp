@@ -394,7 +394,8 @@ extern "C" void lorc_vector_decode(const uint8_t* const* payloads, const float* 
         for (int64_t b = 0; b < B; ++b)
             for (int64_t k = 0; k < blocks; ++k) {
                 decode_block(L, b, k, lat.data());
-                std::memcpy(out + (b * blocks + k) * BLOCK * R, lat.data(), sizeof(float) * BLOCK * R);
+                std::memcpy(out + (b * blocks + k) * BLOCK * R, lat.data(),
+                            sizeof(float) * BLOCK * R);
             }
     }
 }
