@@ -103,8 +103,10 @@ def plan(model: nn.Module, cache_fraction: float | None = None, *,
     measurements are cached on disk. ``rope="auto"`` plans both RoPE modes and keeps the one
     with the lower held-out loss: caching keys before RoPE lets a data-aware key basis ignore
     the rotation, but keeps the angles too and rebuilds keys over the whole context every
-    decode step (bench/results/long_context_lowrank-cpu.md): ``objective="speed"`` plans
-    ``commute`` only. The plan's options record the choices made.
+    decode step (bench/results/long_context_lowrank-cpu.md): ``objective="speed"`` plans one
+    mode, keys in a RoPE-commuting basis (before RoPE where the model hands attention its
+    angles, scored per rotary pair without a rebuild; else after it). The plan's options
+    record the choices made.
 
     ``shards`` > 1 makes every basis block-diagonal over that many equal groups of KV heads
     (the whole-model plan a tensor-parallel model is cached by, each process holding its

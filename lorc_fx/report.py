@@ -34,10 +34,13 @@ def plan_table(plan: Plan) -> str:
                      "heads)")
     if any(l.k_latent_of == "pre_rope" and not l.skipped for l in plan.layers):
         lines.append(
+            "rope=reconstruct in a RoPE-commuting key basis (objective='speed'): keys are "
+            "cached before RoPE and decode scores them per rotary pair, not rebuilt"
+            if plan.options.rope_commuting_keys else
             "rope=reconstruct: keys are cached before RoPE and rebuilt over the whole context "
             "every decode step, so long-context decode gains less speed than the cache shrinks "
             "(bench/results/long_context_lowrank-cpu.md); objective='speed' (--objective speed) "
-            "caches keys after RoPE instead")
+            "keeps them in a RoPE-commuting basis, which decode scores without rebuilding")
     lines += layer_lines(plan)
     if plan.candidates:
         lines.append("candidates measured (held-out calibration loss, best first; a loss within "

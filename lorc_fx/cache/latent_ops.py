@@ -56,20 +56,25 @@ def _(latent, basis, num_heads):
 
 
 def rotated_reconstruct_math(latent: torch.Tensor, basis: torch.Tensor, num_heads: int,
-                             cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+                             cos: torch.Tensor, sin: torch.Tensor, style: str,
+                             pairs: list[int] | None = None) -> torch.Tensor:
     return rotate(reconstruct_math(latent, basis, num_heads), cos, sin, style)
 
 
 @torch.library.custom_op("lorc::rotated_reconstruct", mutates_args=())
 def rotated_reconstruct(latent: torch.Tensor, basis: torch.Tensor, num_heads: int,
-                        cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+                        cos: torch.Tensor, sin: torch.Tensor, style: str,
+                        pairs: list[int] | None = None) -> torch.Tensor:
     """Pre-RoPE key latent ``(b, 1, n, r)`` → keys ``(b, h_kv, n, d)`` rotated by ``cos``/``sin``
-    ``(b, n, rotary_dim)`` in the rotary layout ``style`` (``rotary.rotate``)."""
+    ``(b, n, rotary_dim)`` in the rotary layout ``style`` (``rotary.rotate``). ``pairs``: where
+    each basis row lies on one rotary pair's dims (of every head), that pair's index per row
+    (``rotary.frequency_pairs``); decode attention then scores the latent without rebuilding
+    keys (``compile.latent_attention.per_frequency_scores``). The keys are the same either way."""
     return rotated_reconstruct_math(latent, basis, num_heads, cos, sin, style).contiguous()
 
 
 @rotated_reconstruct.register_fake
-def _(latent, basis, num_heads, cos, sin, style):
+def _(latent, basis, num_heads, cos, sin, style, pairs=None):
     b, _, n, _ = latent.shape
     return latent.new_empty(b, num_heads, n, basis.shape[1] // num_heads)
 

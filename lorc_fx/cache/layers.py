@@ -27,7 +27,7 @@ from transformers.utils import is_torchdynamo_compiling
 from lorc_fx.plan.planner import Code, LayerPlan
 
 from .latent_ops import project, reconstruct, rotated_reconstruct
-from .rotary import RotaryLog, rotate
+from .rotary import RotaryLog, frequency_pairs, rotate
 from .stores import dynamic_store, settle_group, static_store
 
 
@@ -54,18 +54,24 @@ class LatentCodec:
     k_rebuild: torch.Tensor | None = None
     v_rebuild: torch.Tensor | None = None
     rotary_dim: int = 0  # head dims RoPE turns, where ``rope_style`` is set
+    # each key rebuild row's rotary pair, where every row lies on one (``rotary.frequency_pairs``)
+    k_pairs: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, layer: LayerPlan) -> "LatentCodec":
         """The codec of a planned layer; a side the plan cannot compress (keys behind a
         norm) is stored raw. A layer at full rank still stores latents (an orthonormal change
         of basis), so a plan at fraction 1.0 runs the whole latent path."""
+        pre_rope = layer.k_latent_of == "pre_rope" and layer.k_compressible
         return cls(layer.k_basis if layer.k_compressible else None,
                    layer.v_basis if layer.v_compressible else None, layer.num_kv_heads,
                    layer.rope.style if layer.k_latent_of == "pre_rope" else None,
                    k_rebuild=layer.k_rebuild if layer.k_compressible else None,
                    v_rebuild=layer.v_rebuild if layer.v_compressible else None,
-                   rotary_dim=layer.rope.rotary_dim)
+                   rotary_dim=layer.rope.rotary_dim,
+                   k_pairs=frequency_pairs(layer.k_rebuild, layer.num_kv_heads,
+                                           layer.rope.rotary_dim, layer.rope.style)
+                   if pre_rope else None)
 
     def __post_init__(self):
         self.k_rebuild = self.k_basis if self.k_rebuild is None else self.k_rebuild
@@ -92,7 +98,8 @@ class LatentCodec:
             k = reconstruct(keys, self.k_rebuild, self.num_kv_heads)
         else:
             k = rotated_reconstruct(keys, self.k_rebuild, self.num_kv_heads,
-                                    *self.rotary.angles(keys.shape[-2]), self.rotary.style)
+                                    *self.rotary.angles(keys.shape[-2]), self.rotary.style,
+                                    self.k_pairs)
         v = values if self.v_basis is None else reconstruct(values, self.v_rebuild, self.num_kv_heads)
         return k, v
 

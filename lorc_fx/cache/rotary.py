@@ -36,6 +36,33 @@ def rotate_by(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str,
     return torch.cat((turned, rest.expand(*turned.shape[:-1], rest.shape[-1])), dim=-1)
 
 
+def pair_dims(pair: int, rotary_dim: int, style: str) -> tuple[int, int]:
+    """The ``(re, im)`` dims within a head of rotary pair ``pair``."""
+    return (pair, pair + rotary_dim // 2) if style == "half" else (2 * pair, 2 * pair + 1)
+
+
+def frequency_pairs(rows: torch.Tensor, num_heads: int, rotary_dim: int,
+                    style: str) -> tuple[int, ...] | None:
+    """Each row's rotary pair, where every row of ``rows`` ``(r, h*d)`` is zero outside one
+    pair's two dims of every head (a RoPE-commuting basis, ``plan.spectra``); else None.
+
+    Rebuilt from such rows, a key's pair ``f`` is a combination of the latent channels on
+    ``f`` alone, so RoPE turns each channel's contribution by its own pair's angle, and
+    attention can score the latent without rebuilding keys."""
+    if not rows.numel() or rotary_dim == 0:
+        return None
+    per_dim = rows.reshape(rows.shape[0], num_heads, -1).ne(0).any(dim=1)  # (r, d)
+    pairs = []
+    for support in per_dim:
+        dims = support.nonzero().flatten().tolist()
+        first = dims[0] if dims else 0
+        pair = first % (rotary_dim // 2) if style == "half" else first // 2
+        if first >= rotary_dim or not set(dims) <= set(pair_dims(pair, rotary_dim, style)):
+            return None
+        pairs.append(pair)
+    return tuple(pairs)
+
+
 class RotaryLog:
     """The RoPE angles of every cached token, shared by a cache's pre-RoPE layers.
 

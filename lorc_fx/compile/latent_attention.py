@@ -6,17 +6,20 @@ of basis columns of kv head ``j``, ``q·kᵀ = (B_g q)·c`` and the head output 
 decode steps on CUDA go to the Triton kernel ``lorc::latent_decode`` (reads each latent
 tile once for all heads); everything else to ``scaled_dot_product_attention``.
 
-Keys cached before RoPE (``reconstruct`` mode) cannot be absorbed: the rotation of each
+Keys cached before RoPE (``reconstruct`` mode) cannot be absorbed whole: the rotation of each
 position sits between the basis and the query. :func:`rotary_latent_attention` rebuilds them
 (``N·r_k·h_kv·d`` multiply-adds a step, the mode's price) and reads the values absorbed; no
-``(b, h, n, d)`` copy of keys or values is made.
+``(b, h, n, d)`` copy of keys or values is made. Where each row of the key basis lies on one
+rotary pair (a RoPE-commuting basis), the basis is absorbed per pair instead and the latent
+is turned by its channels' angles (:func:`per_frequency_scores`: ``2·N·r_k`` products and
+``2·N·r_k`` multiply-adds a query row, no key rebuilt).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from lorc_fx.cache.rotary import rotate_by
+from lorc_fx.cache.rotary import pair_dims, rotate_by
 from lorc_fx.kernels.ops import triton_available
 
 
@@ -63,19 +66,75 @@ def latent_attention(query, k_latent, v_latent, k_basis, v_basis, num_kv_heads: 
 
 
 def rotary_latent_attention(query, k_latent, cos, sin, v_latent, k_basis, v_basis,
-                            num_kv_heads: int, style: str, attn_mask=None,
+                            num_kv_heads: int, style: str, pairs=None, attn_mask=None,
                             scale: float | None = None):
     """SDPA of a few query tokens ``(b, h, t, d)`` over a pre-RoPE key latent rotated by
     ``cos``/``sin`` ``(b, n, rotary_dim)`` and a value latent ``(b, 1, n, r_v)`` read absorbed;
-    returns ``(b, h, t, d)``. Scores as :func:`rotary_scores`; a query row whose every key is
+    returns ``(b, h, t, d)``. Scores as :func:`pre_rope_scores`; a query row whose every key is
     masked gets zeros, as SDPA's math backend gives.
     """
     b, h, t, d = query.shape
     n = k_latent.shape[-2]
-    scores = rotary_scores(query, k_latent, cos, sin, k_basis, num_kv_heads, style, scale)
+    scores = pre_rope_scores(query, k_latent, cos, sin, k_basis, num_kv_heads, style, pairs,
+                             scale)
     probs = masked_softmax(scores, attn_mask)
     out = (probs.view(b, 1, h * t, n) @ v_latent).view(b, h, t, -1)
     return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
+
+
+def pre_rope_scores(query, k_latent, cos, sin, k_basis, num_kv_heads: int, style: str,
+                    pairs=None, scale: float | None = None):
+    """Scaled scores ``(b, h, t, n)`` over a pre-RoPE key latent: :func:`per_frequency_scores`
+    where ``pairs`` gives each basis row's rotary pair, else :func:`rotary_scores`."""
+    if pairs is not None:
+        return per_frequency_scores(query, k_latent, cos, sin, k_basis, num_kv_heads, style,
+                                    pairs, scale)
+    return rotary_scores(query, k_latent, cos, sin, k_basis, num_kv_heads, style, scale)
+
+
+def per_frequency_scores(query, k_latent, cos, sin, k_basis, num_kv_heads: int, style: str,
+                         pairs, scale: float | None = None):
+    """Scaled scores ``(b, h, t, n)`` of a few query tokens ``(b, h, t, d)`` against a
+    pre-RoPE key latent ``(b, 1, n, r)`` whose basis row ``c`` lies on rotary pair
+    ``f = pairs[c]`` (dims ``a``, ``b`` of each head: ``rotary.frequency_pairs``).
+
+    RoPE turns pair ``f`` of a key by its position's angle: ``a' = a·cos - b·sin``,
+    ``b' = b·cos + a·sin``, and ``(a, b)`` of the key rebuilt is ``Σ_c z_c·(B_ca, B_cb)`` over
+    the channels on ``f``. So ``q·k' = Σ_c z_c·(cos_f·α_c + sin_f·β_c)`` with
+    ``α_c = q_a·B_ca + q_b·B_cb`` and ``β_c = q_b·B_ca - q_a·B_cb``, per query row: one
+    product of ``(z·cos, z·sin)`` with ``(α, β)``, no key rebuilt. Exact (the same sum as
+    :func:`rotary_scores` in another order).
+    """
+    b, h, t, d = query.shape
+    scale = d ** -0.5 if scale is None else scale
+    z = k_latent.squeeze(1)  # (b, n, r)
+    ab = per_frequency_queries(query, k_basis, num_kv_heads, style, pairs, cos.shape[-1])
+    scores = ab.to(z.dtype) @ turned(z, cos, sin, style, pairs).transpose(1, 2)
+    return scores.view(b, h, t, -1) * scale
+
+
+def per_frequency_queries(query, k_basis, num_kv_heads: int, style: str, pairs,
+                          rotary_dim: int):
+    """``(α, β)`` of :func:`per_frequency_scores`, ``(b, h·t, 2r)``: each query row's
+    weights of a latent's channels turned by their pairs' cosines, then by their sines."""
+    b, h, t, _ = query.shape
+    r = len(pairs)
+    re, im = (torch.tensor([pair_dims(p, rotary_dim, style)[i] for p in pairs],
+                           device=query.device) for i in (0, 1))
+    channel = torch.arange(r, device=query.device)
+    blocks = head_blocks(k_basis, num_kv_heads, h)  # (h, r, d)
+    b_re, b_im = blocks[:, channel, re][:, None], blocks[:, channel, im][:, None]  # (h, 1, r)
+    q_re, q_im = query[..., re], query[..., im]  # (b, h, t, r)
+    return torch.cat((q_re * b_re + q_im * b_im, q_im * b_re - q_re * b_im),
+                     dim=-1).reshape(b, h * t, 2 * r)
+
+
+def turned(z, cos, sin, style: str, pairs):
+    """``(z·cos, z·sin)`` ``(b, n, 2r)`` of latents ``z (b, n, r)``: each channel times its
+    rotary pair's cosine, then its sine, at the token's angles ``cos``/``sin``
+    ``(b, n, rotary_dim)``."""
+    re = torch.tensor([pair_dims(p, cos.shape[-1], style)[0] for p in pairs], device=z.device)
+    return torch.cat((z * cos[..., re].to(z.dtype), z * sin[..., re].to(z.dtype)), dim=-1)
 
 
 def rotary_scores(query, k_latent, cos, sin, k_basis, num_kv_heads: int, style: str,

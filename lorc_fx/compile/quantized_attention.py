@@ -54,7 +54,8 @@ from lorc_fx.codes.vector import BLOCK, layout_of
 from lorc_fx.kernels import vector_reductions
 from lorc_fx.kernels.code_reductions import native_applies
 
-from .latent_attention import head_blocks, rotary_scores
+from lorc_fx.cache.rotary import pair_dims
+from .latent_attention import head_blocks, per_frequency_queries, pre_rope_scores, turned
 
 FUSED_BITS = (8, 4, 2)  # code widths whose bytes unpack by shifts alone
 KEY_AXES, VALUE_AXES = (-2,), (-2, -1)  # keys per channel; values per channel or per token
@@ -79,19 +80,24 @@ def quantized_latent_attention(query, k_side, v_side, k_basis, v_basis, num_kv_h
 
 
 def quantized_rotary_latent_attention(query, k_side, cos, sin, v_side, k_basis, v_basis,
-                                      num_kv_heads: int, style: str, attn_mask=None,
+                                      num_kv_heads: int, style: str, pairs=None, attn_mask=None,
                                       scale: float | None = None):
     """SDPA of a few query tokens ``(b, h, t, d)`` over a pre-RoPE key latent side rotated by
     ``cos``/``sin`` ``(b, n, rotary_dim)`` and a value latent side, as
-    ``rotary_latent_attention``: keys rebuilt once per kv head and scored against queries
-    turned back by each position's angle (``rotary_scores``), values read absorbed from their
-    codes. The rebuild is a matrix product, whose operand is the key latent dequantized
-    (``r_k`` floats a token, a fraction of the rebuilt keys the mode materialises anyway).
-    Returns ``(b, h, t, d)``."""
-    b, h, t, _ = query.shape
+    ``rotary_latent_attention``: the key latent dequantized (``r_k`` floats a token), scored
+    per rotary pair where ``pairs`` is given, else rebuilt into keys once per kv head and
+    scored against queries turned back by each position's angle (``pre_rope_scores``); values
+    read absorbed from their codes. Returns ``(b, h, t, d)``."""
+    b, h, t, d = query.shape
     keys, values = positions(k_side), positions(v_side)
-    scores = rotary_scores(query, keys.values(), keys.spread(cos, 1), keys.spread(sin, 1),
-                           k_basis, num_kv_heads, style, scale)
+    cos, sin = keys.spread(cos, 1), keys.spread(sin, 1)
+    if pairs is not None and isinstance(keys, _VectorPositions) and keys.turns():
+        ab = per_frequency_queries(query, k_basis, num_kv_heads, style, pairs, cos.shape[-1])
+        scale = d ** -0.5 if scale is None else scale
+        scores = keys.turned_scores(ab, cos, sin, style, pairs).view(b, h, t, -1) * scale
+    else:
+        scores = pre_rope_scores(query, keys.values(), cos, sin, k_basis, num_kv_heads, style,
+                                 pairs, scale)
     probs = keys.softmax(scores, attn_mask).view(b, 1, h * t, -1)
     out = values.sums(keys.weights_for(values, probs)).view(b, h, t, -1).to(query.dtype)
     return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
@@ -289,6 +295,32 @@ class _VectorPositions(_Positions):
             return scores
         return scores.scatter(-1, self._sink_position(q, q.shape[2]),
                               q @ self.sink.transpose(-1, -2).float())
+
+    def turns(self) -> bool:
+        """Whether ``turned_scores`` reads these codes in the C++ kernel."""
+        return vector_reductions.turned_applies(self.device, self.codes[1])
+
+    def turned_scores(self, ab, cos, sin, style: str, pairs):
+        """Scores of keys cached before RoPE in a RoPE-commuting basis (each channel on rotary
+        pair ``pairs[c]``): ``ab (b, m, 2r)`` each query row's ``(α, β)``
+        (``per_frequency_queries``), ``cos``/``sin`` ``(b, positions, rotary_dim)`` every
+        position's angles; ``(b, m, positions)``, unscaled. The codes' slots in the kernel
+        (``lorc::vector_turned_scores``), the window's rows and each row's sink as floats."""
+        ab = ab.float()
+        rotary_dim = cos.shape[-1]
+        first = [pair_dims(f, rotary_dim, style)[0] for f in range(rotary_dim // 2)]
+        per_pair = lambda x: x[:, :self.slots, first].float()  # noqa: E731  (b, slots, P)
+        codes = torch.ops.lorc.vector_turned_scores(ab, per_pair(cos), per_pair(sin),
+                                                    list(pairs), *self.codes)
+        window = self.window[:, 0].float()  # (b, rows, r)
+        rows = turned(window, cos[:, self.slots:], sin[:, self.slots:], style, pairs)
+        scores = torch.cat([codes, ab @ rows.transpose(1, 2)], dim=-1)
+        if self.sink is None:
+            return scores
+        at = self._sink_position(scores, 1)[:, 0]  # (b, 1, 1)
+        angle = lambda x: x.gather(1, at.expand(-1, -1, rotary_dim))  # noqa: E731
+        sink = turned(self.sink[:, 0].float(), angle(cos), angle(sin), style, pairs)
+        return scores.scatter(-1, at.expand(-1, ab.shape[1], 1), ab @ sink.transpose(1, 2))
 
     def values(self):
         """The side's latent in position order ``(b, 1, positions, r)``, a sink's as it came."""

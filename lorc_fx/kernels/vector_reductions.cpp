@@ -31,6 +31,12 @@
 // sums 10.2 against 15.0, the keys' decode 8.1 against 11.7; SDPA over the same layers' full
 // float32 cache took ~17 (bench/results/vector_reductions-cpu.md).
 //
+// - lorc_vector_turned_scores: keys cached before RoPE in a RoPE-commuting basis, each latent
+//   channel on one rotary pair (lorc_fx/compile/latent_attention.py per_frequency_scores): a
+//   block's 8 latents decoded into L1, each channel times its pair's cos and sin at the slot's
+//   position, and the two halves dotted with each query row's (alpha, beta): no key rebuilt,
+//   no latent written to memory.
+//
 // lorc_vector_rewrite, at the end, is a static store's write (lorc::vector_rewritten), and
 // lorc_vector_decode, last, a side's latents decoded (lorc::vector_decode on CPUs).
 #include <immintrin.h>
@@ -144,15 +150,17 @@ static inline void run_decode(int64_t D, const uint8_t* row, int64_t S, int64_t 
     }
 }
 
-// The 8 latents of row b's block k, each R floats of lat.
-static void decode_block(const Layout& L, int64_t b, int64_t k, float* lat) {
+// The 8 latents of row b's block k, each R floats of lat, `pitch` floats apart (R unless
+// given).
+static void decode_block(const Layout& L, int64_t b, int64_t k, float* lat, int64_t pitch = 0) {
+    pitch = pitch ? pitch : L.R;
     for (int64_t u = 0; u < L.runs; ++u) {
         const uint8_t* row = L.block(u, b, k);
         const int64_t S = L.subs[u], stride = L.stride(u), d = L.dims[u];
         const float* table = L.tables[u];
         float* at = lat + L.first[u];
         by_index_bits(L.ibits[u],
-                      [&](auto IB) { run_decode<IB>(d, row, S, stride, table, L.R, at); });
+                      [&](auto IB) { run_decode<IB>(d, row, S, stride, table, pitch, at); });
     }
 }
 
@@ -396,6 +404,148 @@ extern "C" void lorc_vector_decode(const uint8_t* const* payloads, const float* 
                 decode_block(L, b, k, lat.data());
                 std::memcpy(out + (b * blocks + k) * BLOCK * R, lat.data(),
                             sizeof(float) * BLOCK * R);
+            }
+    }
+}
+
+// ROWS query rows' dot products with TOGETHER consecutive slots' turned latents t (W floats a
+// slot, a multiple of 16), each row's (alpha, beta) W floats apart at a: a row's load serves
+// the slots at once, and their ROWS * TOGETHER chains of multiply-adds run side by side (one
+// slot's, one accumulator a row, were bound by the loads and the chains' latency).
+constexpr int TOGETHER = 4;
+static_assert(BLOCK % TOGETHER == 0, "a block is whole groups of slots");
+#ifdef __AVX512F__
+template <int ROWS>
+static inline void turned_dots(const float* t, const float* a, int64_t W, float* out,
+                               int64_t out_stride) {
+    __m512 acc[ROWS][TOGETHER];
+    for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t x = 0; x < W; x += 16) {
+        __m512 v[TOGETHER];
+        for (int j = 0; j < TOGETHER; ++j) v[j] = _mm512_loadu_ps(t + j * W + x);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512 w = _mm512_loadu_ps(a + r * W + x);
+            for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_fmadd_ps(v[j], w, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < TOGETHER; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#else
+template <int ROWS>
+static inline void turned_dots(const float* t, const float* a, int64_t W, float* out,
+                               int64_t out_stride) {
+    __m256 acc[ROWS][TOGETHER];
+    for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t x = 0; x < W; x += 8) {
+        __m256 v[TOGETHER];
+        for (int j = 0; j < TOGETHER; ++j) v[j] = _mm256_loadu_ps(t + j * W + x);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m256 w = _mm256_loadu_ps(a + r * W + x);
+            for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm256_fmadd_ps(v[j], w, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < TOGETHER; ++j) {
+            const __m256 sum = acc[r][j];
+            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            out[r * out_stride + j] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+        }
+}
+#endif
+
+// M rows in groups of at most 5 (5 * TOGETHER accumulators and TOGETHER operands fit the 32
+// vector registers of AVX-512; AVX2's 16 spill, as measured acceptable), as even as they come.
+static inline void turned_dots(int64_t M, const float* t, const float* a, int64_t W,
+                               float* out, int64_t out_stride) {
+    const int64_t groups = (M + 4) / 5;
+    for (int64_t g = 0, m = 0; g < groups; ++g) {
+        const int64_t rows = (M - m) / (groups - g), at = m;
+        m += rows;
+        const float* ag = a + at * W;
+        float* og = out + at * out_stride;
+        switch (rows) {
+            case 1: turned_dots<1>(t, ag, W, og, out_stride); break;
+            case 2: turned_dots<2>(t, ag, W, og, out_stride); break;
+            case 3: turned_dots<3>(t, ag, W, og, out_stride); break;
+            case 4: turned_dots<4>(t, ag, W, og, out_stride); break;
+            default: turned_dots<5>(t, ag, W, og, out_stride);
+        }
+    }
+}
+
+// One slot's turned latent: turned[x] = z[x] * c[pair[x]], turned[R16 + x] = z[x] * s[pair[x]]
+// (R16 channels, padded with zeros). Where the angle table fits two 16-float registers
+// (P <= 32: head dims up to 64) a channel's angle is one lane of a permute, 16 channels an
+// instruction; else gathered, 8 channels an instruction (on this CPU the gathers took most of
+// the kernel's time).
+static inline void turn_slot(const float* z, const float* c, const float* s,
+                             const int32_t* pair, int64_t P, int64_t R16, float* turned) {
+#ifdef __AVX512F__
+    if (P <= 32) {
+        const __mmask16 lo = P >= 16 ? 0xFFFF : __mmask16((1u << P) - 1);
+        const __mmask16 hi = P >= 32 ? 0xFFFF : P > 16 ? __mmask16((1u << (P - 16)) - 1) : 0;
+        const __m512 c0 = _mm512_maskz_loadu_ps(lo, c), c1 = _mm512_maskz_loadu_ps(hi, c + 16);
+        const __m512 s0 = _mm512_maskz_loadu_ps(lo, s), s1 = _mm512_maskz_loadu_ps(hi, s + 16);
+        for (int64_t x = 0; x < R16; x += 16) {
+            const __m512i at = _mm512_loadu_si512(pair + x);
+            const __m512 v = _mm512_loadu_ps(z + x);
+            _mm512_storeu_ps(turned + x, _mm512_mul_ps(v, _mm512_permutex2var_ps(c0, at, c1)));
+            _mm512_storeu_ps(turned + R16 + x,
+                             _mm512_mul_ps(v, _mm512_permutex2var_ps(s0, at, s1)));
+        }
+        return;
+    }
+#endif
+    for (int64_t x = 0; x < R16; x += 8) {
+        const __m256i at = _mm256_loadu_si256((const __m256i*)(pair + x));
+        const __m256 v = _mm256_loadu_ps(z + x);
+        _mm256_storeu_ps(turned + x, _mm256_mul_ps(v, _mm256_i32gather_ps(c, at, 4)));
+        _mm256_storeu_ps(turned + R16 + x, _mm256_mul_ps(v, _mm256_i32gather_ps(s, at, 4)));
+    }
+}
+
+// lorc::vector_turned_scores' body: ab (B, M, 2R), each query row's alpha then beta over the
+// latent's channels; cos, sin (B, blocks * 8, P): each slot's angle table, one value a rotary
+// pair; pair (R): each channel's pair. out (B, M, blocks * 8): sum_c z_c * (cos_pair(c) *
+// alpha_c + sin_pair(c) * beta_c) for every slot's decoded latent z: each block's 8 latents
+// decoded into L1, each slot's turned (turn_slot), then dotted with the rows TOGETHER slots at
+// a time (turned_dots).
+extern "C" void lorc_vector_turned_scores(const float* ab, const float* cos, const float* sin,
+                                          const int32_t* pair, int64_t P,
+                                          const uint8_t* const* payloads,
+                                          const float* const* tables, const int64_t* subs,
+                                          const int64_t* dims, const int64_t* ibits, int64_t runs,
+                                          int64_t B, int64_t M, int64_t R, int64_t blocks,
+                                          float* out, int threads) {
+    const Layout L(payloads, tables, subs, dims, ibits, runs, R, blocks);
+    const int64_t slots = blocks * BLOCK, R16 = (R + 15) / 16 * 16, W = 2 * R16;
+    std::vector<float> padded(B * M * W, 0.f);  // ab, each half padded to R16 channels
+    std::vector<int32_t> pairs(R16, 0);
+    for (int64_t x = 0; x < R; ++x) pairs[x] = pair[x];
+    for (int64_t row = 0; row < B * M; ++row)
+        for (int64_t half = 0; half < 2; ++half)
+            std::memcpy(padded.data() + row * W + half * R16, ab + row * 2 * R + half * R,
+                        sizeof(float) * R);
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> lat(BLOCK * R16, 0.f), turned(BLOCK * W, 0.f);  // in L1
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t k = 0; k < blocks; ++k) {
+                decode_block(L, b, k, lat.data(), R16);
+                for (int64_t i = 0; i < BLOCK; ++i) {
+                    const int64_t t = k * BLOCK + i;
+                    turn_slot(lat.data() + i * R16, cos + (b * slots + t) * P,
+                              sin + (b * slots + t) * P, pairs.data(), P, R16,
+                              turned.data() + i * W);
+                }
+                for (int64_t i = 0; i < BLOCK; i += TOGETHER)
+                    turned_dots(M, turned.data() + i * W, padded.data() + b * M * W, W,
+                                out + b * M * slots + k * BLOCK + i, slots);
             }
     }
 }

@@ -55,6 +55,8 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [pointer] * 6 + [size] * 5 + [pointer] * 2 + [ctypes.c_int]
     lib.lorc_vector_rewrite.argtypes = [pointer] * 8 + [size] * 7
     lib.lorc_vector_decode.argtypes = [pointer] * 5 + [size] * 4 + [pointer, ctypes.c_int]
+    lib.lorc_vector_turned_scores.argtypes = ([pointer] * 4 + [size] + [pointer] * 5 + [size] * 5
+                                              + [pointer, ctypes.c_int])
     return lib
 
 
@@ -197,6 +199,46 @@ def vector_sums(p: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Tenso
     b, m, _ = p.shape
     out = p.new_empty(b, m, _width(tables), dtype=torch.float32)
     return _call("lorc_vector_sums", p.float().contiguous(), payload, tables, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _pair_tensor(pairs: tuple[int, ...]) -> Tensor:
+    return torch.tensor(pairs, dtype=torch.int32)
+
+
+@custom_op("lorc::vector_turned_scores", mutates_args=())
+def vector_turned_scores(ab: Tensor, cos: Tensor, sin: Tensor, pairs: list[int],
+                         payload: list[Tensor], tables: list[Tensor]) -> Tensor:
+    """Scores of keys cached before RoPE in a RoPE-commuting basis, read from their codes:
+    ``ab (b, m, 2r)`` each query row's ``(α, β)`` (``compile.latent_attention.
+    per_frequency_scores``), ``cos``/``sin`` ``(b, blocks·BLOCK, P)`` each slot's angle table
+    (one value a rotary pair), ``pairs`` each latent channel's pair: ``(b, m, blocks·BLOCK)``,
+    unscaled. C++ only (x86-64 CPUs, sub-vectors of ``DECODED_DIMS``: ``turned_applies``)."""
+    if not turned_applies(ab.device, tables):
+        raise RuntimeError("lorc::vector_turned_scores runs on x86-64 CPUs where the C++ kernel "
+                           f"builds, over sub-vectors of {DECODED_DIMS} channels")
+    b, m, _ = ab.shape
+    subs, dims, ibits, width, _, _ = _layout(_shapes(tables))
+    blocks = _blocks(payload, tables)
+    payload, tables = _operands(payload, tables)
+    ab, cos, sin = (x.float().contiguous() for x in (ab, cos, sin))
+    pair = _pair_tensor(tuple(pairs))
+    out = ab.new_empty(b, m, blocks * BLOCK)
+    _library().lorc_vector_turned_scores(
+        ab.data_ptr(), cos.data_ptr(), sin.data_ptr(), pair.data_ptr(), cos.shape[-1],
+        _pointers(payload), _pointers(tables), subs, dims, ibits, len(tables), b, m, width,
+        blocks, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def turned_applies(device: torch.device, tables: list[Tensor]) -> bool:
+    """Whether ``lorc::vector_turned_scores``' C++ kernel serves these codes on ``device``."""
+    return device.type == "cpu" and _library() is not None and _decodes(tables)
+
+
+@vector_turned_scores.register_fake
+def _(ab, cos, sin, pairs, payload, tables):
+    return ab.new_empty(*ab.shape[:2], _blocks(payload, tables) * BLOCK, dtype=torch.float32)
 
 
 if vector_triton is not None:

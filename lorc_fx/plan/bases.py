@@ -72,7 +72,8 @@ class AttentionNotProbed(ValueError):
 def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
     """Keys: the score metric (keys ⊗ queries): a RoPE-commuting basis of post-RoPE keys,
     or, where the latent is taken before RoPE (``rope='reconstruct'``), the oblique basis of
-    the rotation-averaged query metric; values: attention-averaged values, with the
+    the rotation-averaged query metric (the RoPE-commuting one under ``objective="speed"``:
+    it holds for keys on either side of RoPE, and decode then scores them per rotary pair); values: attention-averaged values, with the
     per-token value moment ``W_v G W_vᵀ`` beside them."""
     from .calibration import layer_statistics
     from .metrics import (attention_key_spectrum, attention_pre_rope_key_spectrum,
@@ -96,7 +97,7 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
         behind_norm = block.k_path == "norm"
         pre_rope = (block.rope_k.style != "none" and options.rope == "reconstruct"
                     and not behind_norm)
-        if pre_rope:
+        if pre_rope and not options.rope_commuting_keys:
             w_k = block.k.weight_tensor(params).detach().cpu()
             keys = attention_pre_rope_key_spectrum(s.attention, w_k, s.input_gram, *shape)
         else:

@@ -23,9 +23,10 @@ AUTO = "auto"
 ROPE_MODES = ("commute", "reconstruct")
 SCHEDULE_NAMES = ("progressive", "uniform", "greedy", "calibrated")
 BASIS_NAMES = ("auto", "weight", "norm", "whitened", "attention")
-# what rope="auto" optimises: the held-out loss, or decode speed (keys cached after RoPE are
-# read by absorbed attention; keys cached before it are rebuilt over the whole context every
-# step, which costs about what full attention does: bench/results/long_context_lowrank-cpu.md)
+# what rope="auto" optimises: the held-out loss, or decode speed (keys in a RoPE-commuting
+# basis, which decode scores without rebuilding them; keys cached before RoPE in the basis that
+# fits them best are rebuilt over the whole context every step, which costs about what full
+# attention does: bench/results/long_context_lowrank-cpu.md)
 OBJECTIVES = ("quality", "speed")
 LATENT_BITS = (16, 8, 4)  # 16: latents kept in the model's dtype (not quantized)
 LATENT_GROUPS = (32, 64)  # group sizes the bit-width search tries (the first: the default)
@@ -213,9 +214,11 @@ class PlanOptions:
         False, "", lambda x: None if isinstance(x, bool)
         else f"allow_zero_rank must be True or False, got {x!r}")
     objective: str = option(
-        "quality", "what --rope auto optimises: quality (held-out loss) | speed (only commute, "
-        "whose keys decode reads without rebuilding them; reconstruct rebuilds them every "
-        "step, so decodes slower at long context)", _one_of("objective", OBJECTIVES))
+        "quality", "what --rope auto optimises: quality (held-out loss) | speed (keys in a "
+        "RoPE-commuting basis, cached before RoPE where the model hands attention its angles, "
+        "else after it: decode scores them without rebuilding them; the quality objective's "
+        "reconstruct rebuilds them every step, so decodes slower at long context)",
+        _one_of("objective", OBJECTIVES))
     retrieval_weight: float = option(
         RETRIEVAL_WEIGHT, "vector codes: how many times more the latent channels of the layers "
         "retrieval leans on weigh in the bit allocation (those whose codes alone move the "
@@ -292,6 +295,13 @@ class PlanOptions:
         if any(k in overrides for k in BUDGET_FIELDS):
             overrides = {**{k: None for k in BUDGET_FIELDS}, **overrides}
         return replace(options, **overrides)
+
+    @property
+    def rope_commuting_keys(self) -> bool:
+        """Whether key bases commute with RoPE: keys cached after it (``commute``), and under
+        ``objective="speed"`` keys cached before it too, so that decode scores them per rotary
+        pair instead of rebuilding them (``compile.latent_attention.per_frequency_scores``)."""
+        return self.rope == "commute" or self.objective == "speed"
 
     @property
     def budget(self) -> Budget:

@@ -470,13 +470,13 @@ def _precomputed(layer: LayerInput, spectrum: Spectrum | None, side: str) -> Spe
     return spectrum
 
 
-def _key_spectrum(layer: LayerInput, rope_mode: str) -> Spectrum:
+def _key_spectrum(layer: LayerInput, options: PlanOptions) -> Spectrum:
     """The layer's precomputed key spectrum, else the weight's under the input metric
-    (per shard where the plan has shards)."""
+    (per shard where the plan has shards), RoPE-commuting where ``options`` asks it."""
     given = _precomputed(layer, layer.k_spectrum, "key")
     if given is not None:
         return given
-    if layer.rope.style != "none" and rope_mode == "commute":
+    if layer.rope.style != "none" and options.rope_commuting_keys:
         return _per_shard(layer, layer.k_weight, lambda w, heads: rope_commuting_spectrum(
             w, heads, layer.head_dim, layer.rope, layer.input_gram))
     return _per_shard(layer, layer.k_weight, lambda w, heads: real_spectrum(w, layer.input_gram))
@@ -492,7 +492,7 @@ def _value_spectrum(layer: LayerInput) -> Spectrum:
 def key_energies(layers: list[LayerInput], options: PlanOptions) -> list[torch.Tensor]:
     """Each layer's key spectrum energies under ``options``' RoPE mode: the error of dropping
     each row of the basis ``plan_layers`` gives it, in one unit across layers."""
-    return [_key_spectrum(l, options.rope).energy for l in layers]
+    return [_key_spectrum(l, options).energy for l in layers]
 
 
 def value_energies(layers: list[LayerInput]) -> list[torch.Tensor]:
@@ -575,7 +575,7 @@ def plan_layers(layers: list[LayerInput], options: PlanOptions,
         or (options.skip_threshold is not None and lk > math.log(max(options.skip_threshold, 1e-300)))
         for i, lk in enumerate(log_cum)
     ]
-    k_spectra = [_key_spectrum(l, options.rope) for l in layers]
+    k_spectra = [_key_spectrum(l, options) for l in layers]
     v_spectra = [_value_spectrum(l) for l in layers]
     compress_k = [l.compress_k and not s for l, s in zip(layers, skipped)]
     rotary_log = _rotary_log(layers, compress_k, options)

@@ -64,9 +64,10 @@ class Vector(Scheme):
 
     def candidates(self, search: SearchContext) -> list[Candidate]:
         """One, where the storage is searched: keys cached before RoPE where that mode is
-        planned (the better loss, measured: docs/schemes/vector.md), else after it (what
-        ``objective="speed"`` plans: decode scores them by table, never rebuilt). One mode
-        only: each fits its own codebooks, minutes of a first plan."""
+        planned (the better loss, measured: docs/schemes/vector.md; under
+        ``objective="speed"`` in a RoPE-commuting basis, scored per rotary pair, never
+        rebuilt), else after it (decode scores them by table). One mode only: each fits its
+        own codebooks, minutes of a first plan."""
         modes = [m for m in ("reconstruct", "commute") if m in search.modes]
         if not (search.searched and modes):
             return []
@@ -102,7 +103,9 @@ class Vector(Scheme):
         return ("compiled decode reads the codes (keys cached after RoPE) or rebuilds "
                 "every key before RoPE each step (the default), and is slower than the full "
                 "cache's (the default model after 4096 tokens, one CPU thread: 0.34-0.46x its "
-                "speed at 2.56 bits, 0.76-0.78x with rope='commute', which costs more quality); "
+                "speed at 2.56 bits; 0.70x with objective='speed', which scores keys from their "
+                "codes and costs some quality; 0.76-0.78x with rope='commute', which costs "
+                "more); "
                 "Inductor takes 2-8 minutes to compile it")
 
     def summary(self, plan: Plan) -> str:

@@ -208,16 +208,19 @@ def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock],
     """The RoPE modes to plan: ``auto`` tries ``commute`` and, for ``objective="quality"``
     where every rotary attention module takes the step's angles as ``position_embeddings``
     (the latent cache needs them to rotate rebuilt keys), ``reconstruct``; for
-    ``objective="speed"`` only ``commute``, whose keys absorbed attention reads without
-    rebuilding them. An explicit ``reconstruct`` on a model whose attention does not take
-    the angles is refused."""
+    ``objective="speed"`` one mode, ``reconstruct`` where the angles are handed (its keys
+    then in a RoPE-commuting basis, ``plan.bases.rope_commuting_keys``: decode scores them
+    per rotary pair without rebuilding them, and they code better than keys cached after
+    RoPE: docs/schemes/vector.md), else ``commute``. An explicit ``reconstruct`` on a model
+    whose attention does not take the angles is refused."""
     rotary = [b for b in blocks if b.supported and b.rope_k.style != "none"]
     hands_angles = all(
         "position_embeddings" in inspect.signature(attention_module(model, b).forward).parameters
         for b in rotary)
     if rope == AUTO:
-        both = rotary and hands_angles and objective == "quality"
-        return ["commute", "reconstruct"] if both else ["commute"]
+        if not (rotary and hands_angles):
+            return ["commute"]
+        return ["commute", "reconstruct"] if objective == "quality" else ["reconstruct"]
     if rope == "reconstruct" and not hands_angles:
         raise ValueError(
             f"rope='reconstruct' needs the RoPE angles of each step, but the attention modules "

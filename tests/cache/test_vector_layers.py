@@ -33,7 +33,8 @@ def model():
 
 @pytest.fixture(scope="module", params=["reconstruct"])
 def plan(model, request):
-    full = compress(model, 1.0, schedule="uniform", basis="weight", rope=request.param).plan
+    mode = dict(objective="speed") if request.param == "speed" else dict(rope=request.param)
+    full = compress(model, 1.0, schedule="uniform", basis="weight", **mode).plan
     blocks = analyze(model)
     windows = torch.randint(3, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
     samples = calibration_latents(model, blocks, full, windows)
@@ -219,7 +220,7 @@ def test_generate_continues_a_returned_cache_and_runs_beams(model, plan, tmp_pat
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
-@pytest.mark.parametrize("plan", ["reconstruct", "commute"], indirect=True)
+@pytest.mark.parametrize("plan", ["reconstruct", "commute", "speed"], indirect=True)
 def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan, cache, caplog,
                                                                     monkeypatch):
     """Compiled (the passes, without Inductor): coding and decoding are in the graph, no
@@ -229,7 +230,8 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
     Static: every write packs its tokens' indices into their blocks in place, each row's sink
     where it falls (row 1's after its left padding). Every decode attention reads the codes
     (``lorc::vector_sums``; keys cached after RoPE ``lorc::vector_scores`` too, no latent
-    decoded)."""
+    decoded; keys before RoPE in a RoPE-commuting basis, ``objective="speed"``,
+    ``lorc::vector_turned_scores``, no latent decoded either)."""
     from torch._dynamo.utils import counters
 
     # as in a new process (the package's ``install`` function hides its module's name)
@@ -264,11 +266,12 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
     attentions = 30 * model.config.num_hidden_layers
     assert [r.absorbed for r in backend.reports] == [model.config.num_hidden_layers] * 2
     calls = Counter(e.name for e in profile.events())
-    commute = plan.options.rope == "commute"
+    commute, turned = plan.options.rope == "commute", plan.options.objective == "speed"
     assert calls["lorc::vector_sums"] == attentions
     assert calls["lorc::vector_scores"] == (attentions if commute else 0)
+    assert calls["lorc::vector_turned_scores"] == (attentions if turned else 0)
     assert calls["lorc::vector_latents"] == 0
-    assert calls["lorc::vector_decode"] == (0 if commute else attentions)
+    assert calls["lorc::vector_decode"] == (0 if commute or turned else attentions)
     if cache == "static":
         layer = got.past_key_values.layers[0]
         assert isinstance(layer.k_store, VectorStaticStore)

@@ -237,19 +237,21 @@ def test_skipped_layers_store_full_keys_and_values():
     assert type(second).__name__ == "LatentDynamicLayer" and second.keys.shape[1] == 1
 
 
-@pytest.mark.parametrize("rope", ["commute", "reconstruct"])
+@pytest.mark.parametrize("rope", ["commute", "reconstruct", "speed"])
 @pytest.mark.parametrize("decoding", ["prompt_lookup", "assisted"])
 @pytest.mark.parametrize("compile_it", [False, True])
 def test_draft_decoding_at_full_fraction_matches_uncompressed(rope, decoding, compile_it):
     """Assisted and prompt-lookup decoding crop the cache on rejected drafts: the latents
-    and the RoPE angle log must be cropped together (eager and compiled)."""
+    and the RoPE angle log must be cropped together (eager and compiled). ``speed``: keys
+    before RoPE in a RoPE-commuting basis, which compiled decode scores per rotary pair."""
     model = build(config_for("llama", heads=4, kv_heads=2))
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9, 5, 6]])
     mask = torch.ones_like(ids)
     kwargs = ({"prompt_lookup_num_tokens": 2} if decoding == "prompt_lookup"
               else {"assistant_model": build(config_for("llama", heads=4, kv_heads=2), seed=1)})
     expected = generate(model, ids, mask, new_tokens=30)
-    compress(model, 1.0, basis="weight", rope=rope)
+    compress(model, 1.0, basis="weight",
+             **(dict(objective="speed") if rope == "speed" else dict(rope=rope)))
     if compile_it:
         with compiled(model, REWRITE_ONLY):
             got = generate(model, ids, mask, new_tokens=30, **kwargs)

@@ -74,6 +74,59 @@ def test_the_decode_copies_every_slots_reconstructions(layout, batch, blocks, th
     assert torch.equal(got, latent.float())
 
 
+@native
+@settings(max_examples=30, deadline=None)
+@given(layout=runs, batch=st.integers(1, 2), blocks=st.integers(1, 9), rows=st.sampled_from([1, 3, 9]),
+       pairs=st.integers(1, 40), threads=st.sampled_from([1, 2, 5]), seed=st.integers(0, 99))
+def test_turned_scores_are_those_of_the_decoded_latent_turned(layout, batch, blocks, rows, pairs,
+                                                              threads, seed):
+    """``lorc::vector_turned_scores``: each slot's latent, every channel times its pair's
+    cosine and sine at that slot, dotted with each row's ``(α, β)``."""
+    gen = torch.Generator().manual_seed(seed)
+    payload, tables, latent = side(gen, batch, blocks, layout)
+    r, slots = latent.shape[-1], blocks * BLOCK
+    pair = torch.randint(0, pairs, (r,), generator=gen)
+    cos, sin = (torch.randn(batch, slots, pairs, generator=gen) for _ in range(2))
+    ab = torch.randn(batch, rows, 2 * r, generator=gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = vector_reductions.vector_turned_scores(ab, cos, sin, pair.tolist(), payload, tables)
+    finally:
+        torch.set_num_threads(previous)
+    turned = torch.cat((latent * cos.double()[..., pair], latent * sin.double()[..., pair]), -1)
+    assert_float32_close(got, ab.double(), turned.transpose(1, 2), 2 * r + 1)
+
+
+@native
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_turned_scores_of_a_side_read_its_window_and_sink_as_floats(style):
+    """``_VectorPositions.turned_scores``: the kernel's slots, then the window's rows and each
+    row's sink turned at their own positions, as ``per_frequency_scores`` over the side's
+    latent in position order (``values``)."""
+    from lorc_fx.compile import latent_attention, quantized_attention
+
+    gen = torch.Generator().manual_seed(1)
+    payload, tables, latent = side(gen, 2, 5, [(3, 2, 5), (2, 4, 8), (4, 1, 3)])
+    r = latent.shape[-1]
+    window = torch.randn(2, 1, 6, r, generator=gen)
+    sink = torch.randn(2, 1, 1, r, generator=gen)
+    sides = quantized_attention.positions(("vector", payload, tables, window, 32, 36, sink,
+                                           torch.tensor([0, 3])))
+    rotary_dim = 8
+    pairs = torch.randint(0, rotary_dim // 2, (r,), generator=gen).tolist()
+    positions = sides.slots + 6
+    angles = torch.rand(2, positions, rotary_dim // 2, generator=gen) * 6
+    per_dim = (lambda x: torch.cat((x, x), -1)) if style == "half" else \
+        (lambda x: x.repeat_interleave(2, -1))
+    cos, sin = per_dim(angles.cos()), per_dim(angles.sin())
+    ab = torch.randn(2, 4, 2 * r, generator=gen)
+    got = sides.turned_scores(ab, cos, sin, style, pairs)
+    values = sides.values()[:, 0].float()
+    expected = ab @ latent_attention.turned(values, cos, sin, style, pairs).transpose(1, 2)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_the_kernel_packs_blocks_as_the_codes_do():
     assert vector_reductions.BLOCK == BLOCK
 

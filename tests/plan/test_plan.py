@@ -60,7 +60,7 @@ def test_progressive_ranks_never_increase_and_meet_fraction(seed, n_layers, kv_h
         return
     # ratios never increase with depth, except where a deeper layer sits at the least rank it
     # may keep (a RoPE-commuting spectrum's smallest valid rank can exceed a shallower share)
-    leasts = [(least_rank(_key_spectrum(l, "commute"), multiple),
+    leasts = [(least_rank(_key_spectrum(l, PlanOptions(rope="commute")), multiple),
                least_rank(_value_spectrum(l), multiple)) for l in layers]
     for (a, b), (lk, lv) in zip(zip(plan.layers, plan.layers[1:]), leasts[1:]):
         assert b.k_rank / b.k_full <= a.k_rank / a.k_full or b.k_rank == lk
@@ -108,7 +108,7 @@ def test_uniform_meets_fraction(seed, fraction, rope):  # 0.125: one rank step o
     except UnreachableFraction as err:  # the least valid key rank may exceed one step
         assert fraction < err.lowest
         return
-    spectra = [s for l in layers for s in (_key_spectrum(l, "commute"), _value_spectrum(l))]
+    spectra = [s for l in layers for s in (_key_spectrum(l, PlanOptions(rope="commute")), _value_spectrum(l))]
     step = max(widest_step(s, 2) for s in spectra)
     assert abs(plan.cache_fraction - fraction) <= step / (4 * 2 * 2 * 8) + 1e-12
 

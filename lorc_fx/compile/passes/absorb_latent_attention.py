@@ -58,7 +58,7 @@ from .graph_utils import SDPA_TARGETS, erase_if_unused, fake, strip_repeat_kv
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 _RECONSTRUCT_ARGS = ("latent", "basis", "num_heads")
-_ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style")
+_ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style", "pairs")
 _VECTOR_ARGS = ("payload", "values", "window", "coded", "tokens", "sink", "sink_at")
 _DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width",
                     "dtype")
@@ -140,7 +140,7 @@ def _quantized_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
                 sdpa["query"], k_side, v_side, k["basis"], v["basis"], k["num_heads"]), mask
         return quantized_rotary_latent_attention, (
             sdpa["query"], k_side, k["cos"], k["sin"], v_side, k["basis"], v["basis"],
-            k["num_heads"], k["style"]), mask
+            k["num_heads"], k["style"], k.get("pairs")), mask
     k_side, v_side = _side(k_src, KEY_AXES), _side(v_src, VALUE_AXES)
     if not _reads_codes(k_side, v_side):
         return None
@@ -168,7 +168,7 @@ def _absorbed_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
         k = _bound(k_src, _ROTATED_ARGS)
         return rotary_latent_attention, (
             sdpa["query"], k["latent"], k["cos"], k["sin"], v["latent"], k["basis"], v["basis"],
-            k["num_heads"], k["style"]), dict(attn_mask=mask, scale=scale)
+            k["num_heads"], k["style"], k.get("pairs")), dict(attn_mask=mask, scale=scale)
     return None
 
 
