@@ -41,6 +41,12 @@ def pair_dims(pair: int, rotary_dim: int, style: str) -> tuple[int, int]:
     return (pair, pair + rotary_dim // 2) if style == "half" else (2 * pair, 2 * pair + 1)
 
 
+def per_pair(x: torch.Tensor, style: str) -> torch.Tensor:
+    """A table of one value per rotary dim (``cos``/``sin``, the layout repeating each pair's
+    value) as one value per pair, ``rotary_dim / 2`` wide."""
+    return x[..., : x.shape[-1] // 2] if style == "half" else x[..., 0::2]
+
+
 def frequency_pairs(rows: torch.Tensor, num_heads: int, rotary_dim: int,
                     style: str) -> tuple[int, ...] | None:
     """Each row's rotary pair, where every row of ``rows`` ``(r, h*d)`` is zero outside one
@@ -99,9 +105,6 @@ class RotaryLog:
             cos, sin = self._per_dim(cos), self._per_dim(sin)
         return cos, sin
 
-    def _per_pair(self, x: torch.Tensor) -> torch.Tensor:
-        return x[..., : x.shape[-1] // 2] if self.style == "half" else x[..., 0::2]
-
     def _per_dim(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat((x, x), dim=-1) if self.style == "half" else x.repeat_interleave(2, -1)
 
@@ -110,7 +113,7 @@ class RotaryLog:
         given = cos.dtype
         stored = torch.float16 if given == torch.bfloat16 else given
         wide = torch.promote_types(given, torch.float32)
-        cos, sin = self._per_pair(cos).to(wide), self._per_pair(sin).to(wide)
+        cos, sin = per_pair(cos, self.style).to(wide), per_pair(sin, self.style).to(wide)
         angle = torch.atan2(sin, cos)
         magnitude = torch.hypot(cos, sin).mean(-1, keepdim=True)
         if not torch.compiler.is_compiling():  # a traced graph has no data-dependent branch

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lorc_fx.cache.rotary import pair_dims, rotate_by
+from lorc_fx.cache.rotary import pair_dims, per_pair, rotate_by
 from lorc_fx.kernels.ops import triton_available
 
 
@@ -133,8 +133,9 @@ def turned(z, cos, sin, style: str, pairs):
     """``(z·cos, z·sin)`` ``(b, n, 2r)`` of latents ``z (b, n, r)``: each channel times its
     rotary pair's cosine, then its sine, at the token's angles ``cos``/``sin``
     ``(b, n, rotary_dim)``."""
-    re = torch.tensor([pair_dims(p, cos.shape[-1], style)[0] for p in pairs], device=z.device)
-    return torch.cat((z * cos[..., re].to(z.dtype), z * sin[..., re].to(z.dtype)), dim=-1)
+    at = torch.tensor(pairs, device=z.device)
+    return torch.cat((z * per_pair(cos, style)[..., at].to(z.dtype),
+                      z * per_pair(sin, style)[..., at].to(z.dtype)), dim=-1)
 
 
 def rotary_scores(query, k_latent, cos, sin, k_basis, num_kv_heads: int, style: str,

@@ -54,7 +54,7 @@ from lorc_fx.codes.vector import BLOCK, layout_of
 from lorc_fx.kernels import vector_reductions
 from lorc_fx.kernels.code_reductions import native_applies
 
-from lorc_fx.cache.rotary import pair_dims
+from lorc_fx.cache.rotary import per_pair
 from .latent_attention import head_blocks, per_frequency_queries, pre_rope_scores, turned
 
 FUSED_BITS = (8, 4, 2)  # code widths whose bytes unpack by shifts alone
@@ -308,10 +308,9 @@ class _VectorPositions(_Positions):
         (``lorc::vector_turned_scores``), the window's rows and each row's sink as floats."""
         ab = ab.float()
         rotary_dim = cos.shape[-1]
-        first = [pair_dims(f, rotary_dim, style)[0] for f in range(rotary_dim // 2)]
-        per_pair = lambda x: x[:, :self.slots, first].float()  # noqa: E731  (b, slots, P)
-        codes = torch.ops.lorc.vector_turned_scores(ab, per_pair(cos), per_pair(sin),
-                                                    list(pairs), *self.codes)
+        slots = lambda x: per_pair(x[:, :self.slots], style).float()  # noqa: E731  (b, slots, P)
+        codes = torch.ops.lorc.vector_turned_scores(ab, slots(cos), slots(sin), list(pairs),
+                                                    *self.codes)
         window = self.window[:, 0].float()  # (b, rows, r)
         rows = turned(window, cos[:, self.slots:], sin[:, self.slots:], style, pairs)
         scores = torch.cat([codes, ab @ rows.transpose(1, 2)], dim=-1)

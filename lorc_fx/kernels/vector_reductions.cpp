@@ -169,26 +169,40 @@ static inline int64_t chunk_start(int64_t blocks, int64_t chunks, int64_t c) {
 }
 
 // A table entry's dot products with the query rows, LINE floats (one 64-byte line), zero past
-// the last row: a lookup adds one line, whole.
+// the last row: a lookup adds one line, whole. Also the turned scores' unit of work.
 constexpr int64_t LINE = 16;
 #ifdef __AVX512F__
 struct Line {
     __m512 v;
     static Line zero() { return {_mm512_setzero_ps()}; }
+    static Line load(const float* e) { return {_mm512_loadu_ps(e)}; }
     void add(const float* e) { v = _mm512_add_ps(v, _mm512_loadu_ps(e)); }
+    void fma(const Line& a, const Line& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
     void store(float* to) const { _mm512_store_ps(to, v); }
+    float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #else
 struct Line {
     __m256 lo, hi;
     static Line zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Line load(const float* e) { return {_mm256_loadu_ps(e), _mm256_loadu_ps(e + 8)}; }
     void add(const float* e) {
         lo = _mm256_add_ps(lo, _mm256_loadu_ps(e));
         hi = _mm256_add_ps(hi, _mm256_loadu_ps(e + 8));
     }
+    void fma(const Line& a, const Line& b) {
+        lo = _mm256_fmadd_ps(a.lo, b.lo, lo);
+        hi = _mm256_fmadd_ps(a.hi, b.hi, hi);
+    }
     void store(float* to) const {
         _mm256_store_ps(to, lo);
         _mm256_store_ps(to + 8, hi);
+    }
+    float sum() const {
+        const __m256 s = _mm256_add_ps(lo, hi);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
     }
 };
 #endif
@@ -409,53 +423,28 @@ extern "C" void lorc_vector_decode(const uint8_t* const* payloads, const float* 
 }
 
 // ROWS query rows' dot products with TOGETHER consecutive slots' turned latents t (W floats a
-// slot, a multiple of 16), each row's (alpha, beta) W floats apart at a: a row's load serves
+// slot, a multiple of LINE), each row's (alpha, beta) W floats apart at a: a row's load serves
 // the slots at once, and their ROWS * TOGETHER chains of multiply-adds run side by side (one
 // slot's, one accumulator a row, were bound by the loads and the chains' latency).
 constexpr int TOGETHER = 4;
 static_assert(BLOCK % TOGETHER == 0, "a block is whole groups of slots");
-#ifdef __AVX512F__
 template <int ROWS>
 static inline void turned_dots(const float* t, const float* a, int64_t W, float* out,
                                int64_t out_stride) {
-    __m512 acc[ROWS][TOGETHER];
+    Line acc[ROWS][TOGETHER];
     for (int r = 0; r < ROWS; ++r)
-        for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t x = 0; x < W; x += 16) {
-        __m512 v[TOGETHER];
-        for (int j = 0; j < TOGETHER; ++j) v[j] = _mm512_loadu_ps(t + j * W + x);
+        for (int j = 0; j < TOGETHER; ++j) acc[r][j] = Line::zero();
+    for (int64_t x = 0; x < W; x += LINE) {
+        Line v[TOGETHER];
+        for (int j = 0; j < TOGETHER; ++j) v[j] = Line::load(t + j * W + x);
         for (int r = 0; r < ROWS; ++r) {
-            const __m512 w = _mm512_loadu_ps(a + r * W + x);
-            for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_fmadd_ps(v[j], w, acc[r][j]);
+            const Line w = Line::load(a + r * W + x);
+            for (int j = 0; j < TOGETHER; ++j) acc[r][j].fma(v[j], w);
         }
     }
     for (int r = 0; r < ROWS; ++r)
-        for (int j = 0; j < TOGETHER; ++j) out[r * out_stride + j] = _mm512_reduce_add_ps(acc[r][j]);
+        for (int j = 0; j < TOGETHER; ++j) out[r * out_stride + j] = acc[r][j].sum();
 }
-#else
-template <int ROWS>
-static inline void turned_dots(const float* t, const float* a, int64_t W, float* out,
-                               int64_t out_stride) {
-    __m256 acc[ROWS][TOGETHER];
-    for (int r = 0; r < ROWS; ++r)
-        for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t x = 0; x < W; x += 8) {
-        __m256 v[TOGETHER];
-        for (int j = 0; j < TOGETHER; ++j) v[j] = _mm256_loadu_ps(t + j * W + x);
-        for (int r = 0; r < ROWS; ++r) {
-            const __m256 w = _mm256_loadu_ps(a + r * W + x);
-            for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm256_fmadd_ps(v[j], w, acc[r][j]);
-        }
-    }
-    for (int r = 0; r < ROWS; ++r)
-        for (int j = 0; j < TOGETHER; ++j) {
-            const __m256 sum = acc[r][j];
-            const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-            const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            out[r * out_stride + j] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-        }
-}
-#endif
 
 // M rows in groups of at most 5 (5 * TOGETHER accumulators and TOGETHER operands fit the 32
 // vector registers of AVX-512; AVX2's 16 spill, as measured acceptable), as even as they come.

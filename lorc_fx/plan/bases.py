@@ -73,8 +73,9 @@ def attention_aware(model, blocks, options) -> dict[int, LayerMetric]:
     """Keys: the score metric (keys ⊗ queries): a RoPE-commuting basis of post-RoPE keys,
     or, where the latent is taken before RoPE (``rope='reconstruct'``), the oblique basis of
     the rotation-averaged query metric (the RoPE-commuting one under ``objective="speed"``:
-    it holds for keys on either side of RoPE, and decode then scores them per rotary pair); values: attention-averaged values, with the
-    per-token value moment ``W_v G W_vᵀ`` beside them."""
+    it holds for keys on either side of RoPE, and decode then scores them per rotary pair);
+    values: attention-averaged values, with the per-token value moment ``W_v G W_vᵀ`` beside
+    them."""
     from .calibration import layer_statistics
     from .metrics import (attention_key_spectrum, attention_pre_rope_key_spectrum,
                           attention_value_spectrum)

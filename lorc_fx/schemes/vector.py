@@ -103,10 +103,9 @@ class Vector(Scheme):
         return ("compiled decode reads the codes (keys cached after RoPE) or rebuilds "
                 "every key before RoPE each step (the default), and is slower than the full "
                 "cache's (the default model after 4096 tokens, one CPU thread: 0.34-0.46x its "
-                "speed at 2.56 bits; 0.61-0.70x with objective='speed', which scores keys from their "
-                "codes and costs some quality; 0.76-0.78x with rope='commute', which costs "
-                "more); "
-                "Inductor takes 2-8 minutes to compile it")
+                "speed at 2.56 bits; 0.61-0.70x with objective='speed', which scores keys from "
+                "their codes and costs some quality; 0.76-0.78x with rope='commute', which "
+                "costs more); Inductor takes 2-8 minutes to compile it")
 
     def summary(self, plan: Plan) -> str:
         channels, _ = _channels_per_width(plan)

@@ -209,7 +209,7 @@ def rope_modes(rope: str, model: nn.Module, blocks: list[AttentionBlock],
     where every rotary attention module takes the step's angles as ``position_embeddings``
     (the latent cache needs them to rotate rebuilt keys), ``reconstruct``; for
     ``objective="speed"`` one mode, ``reconstruct`` where the angles are handed (its keys
-    then in a RoPE-commuting basis, ``plan.bases.rope_commuting_keys``: decode scores them
+    then in a RoPE-commuting basis, ``PlanOptions.rope_commuting_keys``: decode scores them
     per rotary pair without rebuilding them, and they code better than keys cached after
     RoPE: docs/schemes/vector.md), else ``commute``. An explicit ``reconstruct`` on a model
     whose attention does not take the angles is refused."""
