@@ -3,7 +3,7 @@
 full rank exact?
 
     OMP_NUM_THREADS=1 python bench/families.py [--families llama gemma2 ...] [--timeout 120]
-        [--out bench/results/families-cpu]
+        [--out bench/results/families-cpu] [--update]
 
 For each family of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (encoder-decoder configs and
 composite multimodal ones, which hold a ``text_config``, are skipped with the reason), in a
@@ -12,12 +12,16 @@ fresh process (``--family NAME``) under a timeout:
 1. A tiny random model from the config class's defaults, shrunk (``tiny_config``): hidden 64,
    4 heads, 2 KV heads, head dim 16, intermediate 128 (MoE: 4 experts, 2 per token), vocab 128,
    positions >= 512, float32, eval; as few layers as keep every per-layer pattern of the
-   config (sliding/full, conv/attention, dense/MoE: ``layer_types`` and the like). If it
-   cannot be built or cannot ``generate`` uncompressed, it is "could not build/run".
+   config (sliding/full, conv/attention, dense/MoE: ``layer_types`` and the like); ``FAMILY``
+   sets what a family's defaults leave broken at these sizes (or in transformers 5.23 itself:
+   DBRX, MusicGen), ``UNRUNNABLE`` says why a family cannot generate alone. If it cannot be
+   built or cannot ``generate`` uncompressed, it is "could not build/run".
 2. Transformers' own cache after greedy ``generate`` (``disable_compile=True``,
    ``use_cache=True``: MPT's config turns the cache off) of a random
    16-token prompt, batch 1, 8 new tokens: its class, its layers' classes and the bytes of
    the keys and values it holds (float32). None held: lorc_fx should leave it alone.
+   A family whose ``generate`` caches less than the 249-token prompt (MusicGen's caches only
+   its last token) decodes as many more tokens as reach 256 cached.
 3. ``lorc_fx.compress(model, progress=False)`` (the package's defaults), the same
    ``generate``: the bytes the compressed cache holds (``LatentCache.cache_bytes``: codes,
    scales, full-precision windows, uncompressed layers' keys and values) over the float32
@@ -92,6 +96,30 @@ FAMILY = {  # where the defaults break a constraint of the tiny sizes or drop th
     "lfm2_moe": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]},  # None fails
     "recurrent_gemma": {"num_hidden_layers": 3},  # its block cycle: 2 recurrent, 1 attention
     "zamba": {"num_hidden_layers": 5},  # fewer: its shared attention block cannot be tied
+    "cohere_compass_text": {"num_hidden_layers": 2,  # rotary settings per layer type, or None
+                            "layer_types": ["sliding_attention", "full_attention"],  # (NoPE)
+                            "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                                      "rope_theta": 1e4},
+                                                "full_attention": None}},
+    # transformers 5.23's DbrxAttention reads attn_config.rope_theta, which the config no longer
+    # has, and clamps by clip_qkv, which defaults to None (DBRX's checkpoints: 8)
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 1e4}},
+    "moshi": {"audio_vocab_size": 128},  # None unless an audio encoder config gives it
+    "musicgen": {"num_codebooks": 1, "decoder_start_token_id": 1},  # a prompt's row: 1 codebook
+    "musicgen_melody": {"num_codebooks": 1, "decoder_start_token_id": 1},
+    "qwen4_exp": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                  "indexer_budget": 64, "indexer_compress_ratio": 4},  # None: fails to build
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+                       "indexer_budget": 64, "indexer_compress_ratio": 4},
+    "xlstm": {"qk_dim_factor": 1.0},  # 0.5: its cache state is shaped for 1.0
+    "xmod": {"default_language": "en_XX"},  # its language adapters need one
+}
+UNRUNNABLE = {  # families that cannot generate alone with a cache of their own, and why
+    "gemma4_assistant": "Gemma 4's drafter: its forward requires `shared_kv_states`, the target "
+                        "model's keys and values; it caches none of its own",
+    "blt": "transformers 5.23 cannot generate with its cache: `DynamicCache(config)` reads "
+           "`num_hidden_layers`, which BltConfig lacks, and its byte encoder, patch transformer "
+           "and byte decoder number their layers from 0 into one cache",
 }
 
 
@@ -136,10 +164,12 @@ def tiny_model(family: str):
     model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
     config_cls = model_cls.config_class
     subs = sorted(getattr(config_cls, "sub_configs", {}))
-    if config_cls().is_encoder_decoder:
-        raise Skipped("encoder-decoder config")
+    if family in UNRUNNABLE:
+        raise Skipped(UNRUNNABLE[family])
     if "text_config" in subs:
         raise Skipped(f"multimodal: composite config ({', '.join(subs)})")
+    if config_cls().is_encoder_decoder:
+        raise Skipped("encoder-decoder config")
     torch.manual_seed(0)
     return model_cls(config_cls(**tiny_kwargs(config_cls, FAMILY.get(family, {})))).float().eval()
 
@@ -162,7 +192,7 @@ def generate(model, ids, mask=None, new=NEW):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, disable_compile=True, pad_token_id=0,
-                              use_cache=True, return_dict_in_generate=True)  # MPT: off by default
+                              use_cache=True, return_dict_in_generate=True, num_return_sequences=1)  # MPT: off by default
 
 
 def kv_bytes(cache) -> int:
@@ -172,6 +202,8 @@ def kv_bytes(cache) -> int:
     keys); a latent cache's own count."""
     if hasattr(cache, "cache_bytes"):
         return cache.cache_bytes()
+    if hasattr(cache, "self_attention_cache"):  # EncoderDecoderCache: decoders with cross-attention
+        return kv_bytes(cache.self_attention_cache) + kv_bytes(cache.cross_attention_cache)
     import torch
 
     from lorc_fx.cache import codes_own_states
@@ -231,12 +263,19 @@ def run_family(family: str, record_path: Path) -> None:
                   kv_bytes=kv_bytes(cache) if cache is not None else 0, step="baseline")
     save()
     baseline = {}
-    for name, run in (("long", lambda: generate(model, long)),
+    long_run = lambda m: generate(m, long)
+    for name, run in (("long", lambda: long_run(model)),
                       ("batch", lambda: generate(model, batch, mask, EXACT_NEW))):
         try:
             baseline[name] = run()
         except Exception as err:
             record[f"uncompressed_{name}_failed"] = failure(err)
+    held = getattr(getattr(baseline.get("long"), "past_key_values", None), "get_seq_length", None)
+    if record["kv_bytes"] and held is not None and held() < LONG:  # MusicGen's prefills no prompt
+        record["prompt_tokens_cached"] = cached = held() - (NEW - 1)
+        record["long_new"] = new = LONG + NEW - cached  # 256 cached, as the others
+        long_run = lambda m: generate(m, long, new=new)
+        baseline["long"] = long_run(model)
     fresh = copy.deepcopy(model)
 
     record["step"] = "default"
@@ -252,7 +291,7 @@ def run_family(family: str, record_path: Path) -> None:
         held = kv_bytes(generate(model, short).past_key_values)
         default["fraction"] = held / record["kv_bytes"] if record["kv_bytes"] else None
         if "long" in baseline and record["kv_bytes"]:
-            held = kv_bytes(generate(model, long).past_key_values)
+            held = kv_bytes(long_run(model).past_key_values)
             default["fraction_256"] = held / kv_bytes(baseline["long"].past_key_values)
     except Exception as err:
         default.update(failure(err))
@@ -327,6 +366,9 @@ def failed(r: dict) -> str:
             parts.append(f"{label}: {f['error']}: {f['message'][:120]} @ {f['where']}")
     if r.get("crashed"):
         parts.append(r["crashed"])
+    if "prompt_tokens_cached" in r:
+        parts.append(f"its generate caches {r['prompt_tokens_cached']} of a prompt's {LONG} "
+                     f"tokens: 256 cached after {r['long_new']} new")
     left_alone = r.get("default", {}).get("left_alone")
     if r.get("status") == "ran" and not r.get("kv_bytes"):
         parts.append("left alone: its cache holds no keys and values" if left_alone else
@@ -389,12 +431,18 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
     parser.add_argument("--timeout", type=float, default=120, help="seconds per family")
     parser.add_argument("--out", type=Path, default=OUT, help="writes OUT.json and OUT.md")
+    parser.add_argument("--update", action="store_true",
+                        help="replace only the swept families' rows of OUT.json, keep the rest")
     parser.add_argument("--family", help=argparse.SUPPRESS)  # one family, in this process
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.family:
         return run_family(args.family, args.record)
     records = sweep(args.families, args.timeout)
+    if args.update:
+        swept = {r["family"]: r for r in records}
+        kept = json.loads(Path(f"{args.out}.json").read_text())
+        records = [swept.pop(r["family"], r) for r in kept] + list(swept.values())
     Path(f"{args.out}.json").write_text(json.dumps(records, indent=1) + "\n")
     Path(f"{args.out}.md").write_text(markdown(records))
 

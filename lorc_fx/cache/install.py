@@ -6,8 +6,10 @@ the plan on the model, wraps ``_prepare_cache_for_generation`` so the fresh
 it leaves to the model) becomes a :class:`LatentCache`
 (static where the model is compiled and the caller chose no cache: it decodes faster),
 wraps ``prepare_inputs_for_generation`` so that cache's growing axes are marked dynamic
-before every step (one compiled decode graph), and, for keys cached before RoPE, puts a forward pre-hook on each attention module that
-hands the cache the step's ``(cos, sin)``. Its ``save_pretrained`` (where the class has one)
+before every step (one compiled decode graph; a model whose ``generate`` prepares no cache
+gets its latent cache there, before the first forward), and, for keys cached before RoPE,
+puts a forward pre-hook on each attention module that hands the cache the step's
+``(cos, sin)``. Its ``save_pretrained`` (where the class has one)
 warns once that it saves the plain model, not the plan.
 """
 from __future__ import annotations
@@ -146,20 +148,33 @@ def _prepare_latent_cache(self, generation_config, model_kwargs, generation_mode
     if own is not None and generation_config.use_cache is not False \
             and model_kwargs.get("past_key_values") is None:
         model_kwargs["past_key_values"] = own()  # generate builds none: the forward would
+    self._lorc_generate_prepares = True
     cache = model_kwargs.get("past_key_values")
     if cache is not None and not getattr(cache, "_is_user_defined", False) \
             and type(cache) in (DynamicCache, StaticCache, own):
-        model_kwargs["past_key_values"] = cache = LatentCache.from_cache(cache, self._lorc_plan)
-        mask = model_kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            cache.place_sinks((mask.cumsum(-1) == 0).sum(-1))  # after each row's left padding
+        model_kwargs["past_key_values"] = LatentCache.from_cache(cache, self._lorc_plan)
+        _place_sinks(model_kwargs["past_key_values"], model_kwargs.get("attention_mask"))
+
+
+def _place_sinks(cache: LatentCache, mask) -> None:
+    """A fresh latent cache's sinks after each row's left padding (``mask``: 2-D, or none)."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        cache.place_sinks((mask.cumsum(-1) == 0).sum(-1))
 
 
 def _prepare_inputs_marking_dynamic(self, *args, **kwargs):
     """``generate``'s per-step input preparation (eager, before each forward), with the
     latent cache's growing axes marked dynamic first: a compiled decode then traces one graph
-    for every length (``LatentCache.mark_dynamic``)."""
+    for every length (``LatentCache.mark_dynamic``).
+
+    A model whose own ``generate`` never prepares a cache and lets its forward build one
+    (MusicGen-Melody: an ``EncoderDecoderCache`` of two dynamic caches) gets a latent cache
+    here instead, before its first forward."""
     inputs = type(self).prepare_inputs_for_generation(self, *args, **kwargs)
+    if ("past_key_values" in inputs and inputs["past_key_values"] is None
+            and inputs.get("use_cache") and not getattr(self, "_lorc_generate_prepares", False)):
+        inputs["past_key_values"] = latent_cache(self)
+        _place_sinks(inputs["past_key_values"], inputs.get("attention_mask"))
     if isinstance(cache := inputs.get("past_key_values"), LatentCache):
         cache.mark_dynamic()
     return inputs

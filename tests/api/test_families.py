@@ -2,10 +2,12 @@
 ``compress(model, cache_fraction=0.5)`` then ``generate`` on tiny random models built with
 transformers' own classes (``helpers.families``). Each is compressed, or left unchanged with
 the reason, or refused with the budget's reachable range: never a bare exception."""
+import contextlib
 import copy
 
 import pytest
 import torch
+from transformers import MusicgenMelodyForCausalLM
 from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 import lorc_fx
@@ -61,6 +63,31 @@ def test_a_hybrid_model_at_default_options_is_compressed():
     report = lorc_fx.compress(model, 0.5, progress=False)  # crashed: vector codes, no samples
     assert report.plan is not None and report.plan.cache_fraction <= 0.5
     _generate(model)
+
+
+def test_a_decoder_whose_forward_builds_its_cache_gets_a_latent_one():
+    """MusicGen-Melody's own ``generate`` prepares no cache and its forward builds an
+    ``EncoderDecoderCache`` of full keys and values: the first step gets a latent cache
+    instead, or the plan it reports would store nothing. Exact at full rank, eager and
+    compiled; coded at default options."""
+    torch.manual_seed(0)  # the auto class maps the composite config, not the decoder's
+    model = MusicgenMelodyForCausalLM(config_for("musicgen_melody")).eval()
+    ids, mask = prompt(batch=1, length=70)  # a whole group of 64 tokens coded
+    expected = generate(model, ids, mask, num_return_sequences=1)  # its generate: None fails
+    full_bytes = sum(t.numel() * t.element_size() for layer in
+                     expected.past_key_values.self_attention_cache.layers
+                     for t in (layer.keys, layer.values))
+    exact = copy.deepcopy(model)
+    lorc_fx.compress(exact, 1.0, latent_bits=16, progress=False)
+    for backend in (None, lorc_backend.with_options(inductor=False)):
+        with compiled(exact, backend) if backend else contextlib.nullcontext():
+            got = generate(exact, ids, mask, num_return_sequences=1)
+        assert isinstance(got.past_key_values, LatentCache)
+        assert_same_generation(got, expected)
+    report = lorc_fx.compress(model, progress=False)
+    cache = generate(model, ids, mask, num_return_sequences=1).past_key_values
+    assert isinstance(cache, LatentCache) and report.plan.cache_fraction <= 0.3
+    assert cache.cache_bytes() < 0.5 * full_bytes
 
 
 @pytest.mark.parametrize("family, rope", [("gemma2", "commute"), ("gpt_oss", "reconstruct")])

@@ -11,7 +11,7 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Con
                           DeepseekV4Config,
                           FalconH1Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
                           GptOssConfig, GPTNeoXConfig, LlamaConfig, Lfm2Config, MiniMaxConfig,
-                          MistralConfig,
+                          MistralConfig, MusicgenMelodyDecoderConfig,
                           OPTConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3NextConfig,
                           Zamba2Config)
 
@@ -107,6 +107,10 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
                                 index_head_dim=head_dim, index_topk=4, hc_mult=2,
                                 n_routed_experts=2, num_experts_per_tok=1,
                                 moe_intermediate_size=32, mlp_layer_types=["moe"] * layers)
+    if family == "musicgen_melody":  # its generate prepares no cache: its forward builds one
+        return MusicgenMelodyDecoderConfig(
+            hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_codebooks=1, decoder_start_token_id=1, **common)
     if family == "gpt_neox":
         return GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=layers, num_attention_heads=heads,
