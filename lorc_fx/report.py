@@ -219,7 +219,8 @@ def _proj(p: Projection | None) -> str:
 
 
 def _rope(r: RopeLayout) -> str:
-    return "-" if r.style == "none" else f"{r.style}/{r.rotary_dim}"
+    return "-" if r.style == "none" else \
+        f"{r.style}{' (turned by -θ)' if r.turn < 0 else ''}/{r.rotary_dim}"
 
 
 _COLUMNS = ("layer", "ok", "heads/kv/dim", "rope q", "rope k", "scale", "k_path", "op",

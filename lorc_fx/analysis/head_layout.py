@@ -133,10 +133,12 @@ def classify_pairs(pairs: list[tuple[int, int]]) -> RopeLayout | str:
     if dims != list(range(r)):
         return f"RoPE rotates head dims {dims}, not the leading dims of a head"
     half = r // 2
-    if pairs == [(t, t + half) for t in range(half)]:
-        return RopeLayout("half", r)
-    if pairs == [(2 * t, 2 * t + 1) for t in range(half)]:
-        return RopeLayout("interleaved", r)
+    for style, canonical in (("half", [(t, t + half) for t in range(half)]),
+                             ("interleaved", [(2 * t, 2 * t + 1) for t in range(half)])):
+        if pairs == canonical:
+            return RopeLayout(style, r)
+        if sorted((im, re) for re, im in pairs) == canonical:  # turned by -θ
+            return RopeLayout(style, r, turn=-1)
     return f"unrecognised RoPE pairing {pairs[:4]}..."
 
 

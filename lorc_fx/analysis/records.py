@@ -76,11 +76,16 @@ class RopeLayout:
 
     ``style``: ``"none"``, ``"half"`` (pairs ``(t, t + rotary_dim/2)``, rotate_half) or
     ``"interleaved"`` (pairs ``(2t, 2t+1)``). The first ``rotary_dim`` dims of a head rotate;
-    the rest pass through (partial rotary).
+    the rest pass through (partial rotary). ``turn``: ``-1`` where the model turns each pair
+    the other way, by ``-θ`` for the ``(cos θ, sin θ)`` it computes (NanoChat's
+    ``rotate_half(x) = cat(x2, -x1)``: pairs ``(t + rotary_dim/2, t)`` as the matcher reads
+    them); the same pairs turned by the opposite angle, so what uses the model's angles
+    (``RotaryLog``) negates ``sin`` and nothing else changes.
     """
 
     style: str = "none"
     rotary_dim: int = 0
+    turn: int = 1
 
     def __post_init__(self):
         if self.style not in ("none", "half", "interleaved"):
@@ -89,6 +94,8 @@ class RopeLayout:
             raise ValueError("RoPE style 'none' cannot rotate any dims")
         if self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
+        if self.turn not in (1, -1):
+            raise ValueError(f"turn must be 1 or -1, got {self.turn}")
 
     def pairs(self) -> list[tuple[int, int]]:
         """Index pairs ``(re, im)`` within a head, one per rotary frequency."""

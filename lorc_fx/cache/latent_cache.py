@@ -211,11 +211,11 @@ class LatentCache(Cache):
 
 def _rotary_log(bases: dict[int, LatentCodec], max_cache_len: int | None) -> RotaryLog | None:
     """The RoPE angle log the layers caching keys before RoPE share, if any does."""
-    styles = {(b.rope_style, b.rotary_dim) for b in bases.values() if b.rope_style}
+    styles = {(b.rope_style, b.rotary_dim, b.rope_turn) for b in bases.values() if b.rope_style}
     if not styles:
         return None
-    style, rotary_dim = styles.pop()
-    return RotaryLog(style, max_cache_len, rotary_dim)
+    style, rotary_dim, turn = styles.pop()
+    return RotaryLog(style, max_cache_len, rotary_dim, turn)
 
 
 class _LatentReplicas:

@@ -54,6 +54,7 @@ class LatentCodec:
     k_rebuild: torch.Tensor | None = None
     v_rebuild: torch.Tensor | None = None
     rotary_dim: int = 0  # head dims RoPE turns, where ``rope_style`` is set
+    rope_turn: int = 1  # -1: the model turns its pairs by -θ (``RopeLayout.turn``)
     # each key rebuild row's rotary pair, where every row lies on one (``rotary.frequency_pairs``)
     k_pairs: tuple[int, ...] | None = None
 
@@ -68,7 +69,7 @@ class LatentCodec:
                    layer.rope.style if layer.k_latent_of == "pre_rope" else None,
                    k_rebuild=layer.k_rebuild if layer.k_compressible else None,
                    v_rebuild=layer.v_rebuild if layer.v_compressible else None,
-                   rotary_dim=layer.rope.rotary_dim,
+                   rotary_dim=layer.rope.rotary_dim, rope_turn=layer.rope.turn,
                    k_pairs=frequency_pairs(layer.k_rebuild, layer.num_kv_heads,
                                            layer.rope.rotary_dim, layer.rope.style)
                    if pre_rope else None)

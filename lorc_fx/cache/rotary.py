@@ -87,8 +87,10 @@ class RotaryLog:
     otherwise in the model's dtype.
     """
 
-    def __init__(self, style: str, max_cache_len: int | None = None, rotary_dim: int = 0):
+    def __init__(self, style: str, max_cache_len: int | None = None, rotary_dim: int = 0,
+                 turn: int = 1):
         self.style, self.max_cache_len, self.rotary_dim = style, max_cache_len, rotary_dim
+        self.turn = turn  # -1: the model turns by -θ, so the log keeps -θ (``RopeLayout``)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.angle = self.magnitude = None  # (b, n, rotary_dim / 2), (b, n, 1)
         self.dtype: torch.dtype | None = None  # what ``angles`` hands back: the model's
@@ -101,6 +103,8 @@ class RotaryLog:
                 "rope='reconstruct' needs the RoPE angles of each step: the attention module "
                 "did not receive `position_embeddings=(cos, sin)`; use rope='commute'")
         cos, sin = self.pending
+        if self.turn < 0:
+            sin = -sin
         if cos.shape[-1] * 2 == self.rotary_dim:  # one value per pair (gpt-oss): per dim
             cos, sin = self._per_dim(cos), self._per_dim(sin)
         return cos, sin

@@ -17,6 +17,7 @@ from lorc_fx.analysis import analyze
 from lorc_fx.report import blocks_table, blocks_to_json
 from lorc_fx.analysis.records import Projection, RopeLayout, named_params
 from lorc_fx.analysis.attention_match import match_attention
+from lorc_fx.analysis.head_layout import classify_pairs
 from lorc_fx.analysis.capture import capture, synthetic_input_ids
 from lorc_fx.analysis.fx_ops import op_name
 
@@ -365,3 +366,15 @@ def test_default_model():
         assert b.k == Projection(f"model.layers.{i}.self_attn.k_proj.weight", 0, 192)
         assert b.scale == pytest.approx(1 / math.sqrt(64))
     assert_projection_rows_exact(model, blocks)
+
+
+@pytest.mark.parametrize("style", ["half", "interleaved"])
+def test_pairs_turned_the_other_way_are_the_layout_turned_by_minus_theta(style):
+    """``(im, re)`` in place of each ``(re, im)`` (NanoChat's ``rotate_half``: ``cat(x2,
+    -x1)``) is the same layout turning by -θ; pairs neither way round stay refused."""
+    layout = RopeLayout(style, 8)
+    assert classify_pairs(layout.pairs()) == layout
+    assert classify_pairs(sorted((im, re) for re, im in layout.pairs())) == \
+        RopeLayout(style, 8, turn=-1)
+    mixed = [layout.pairs()[0][::-1], *layout.pairs()[1:]]
+    assert isinstance(classify_pairs(sorted(mixed)), str)

@@ -90,6 +90,44 @@ def test_a_decoder_whose_forward_builds_its_cache_gets_a_latent_one():
     assert cache.cache_bytes() < 0.5 * full_bytes
 
 
+def _nanochat_rotate_half(x):
+    """NanoChat's: ``cat(x2, -x1)``, each pair turned by -θ for the ``(cos, sin)`` it is given."""
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+
+
+def test_rope_turned_the_other_way_is_rebuilt_with_its_own_sign(monkeypatch):
+    """A Llama whose ``rotate_half`` is NanoChat's (pairs read as ``(t + 8, t)``) computes what
+    the Llama with its query and key rows swapped by halves per head computes. Compressed
+    with half the key rank, keys cached before RoPE and rebuilt (``basis='weight'``: the same
+    bases up to that swap), the two still agree, eager and compiled; the angle log must hand
+    back ``-sin`` for it (with ``sin``: 3e-3 apart)."""
+    import transformers.models.llama.modeling_llama as llama
+
+    normal = build(config_for("llama"))
+    turned = copy.deepcopy(normal)
+    head_dim = normal.config.head_dim
+    swap = torch.cat([torch.arange(head_dim // 2, head_dim), torch.arange(head_dim // 2)])
+    for layer in turned.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+            w = proj.weight.data
+            proj.weight.data = w.view(-1, head_dim, w.shape[1])[:, swap].reshape_as(w).clone()
+    ids, mask = prompt(length=12)
+    options = dict(basis="weight", rope="reconstruct", latent_bits=16, progress=False)
+    lorc_fx.compress(normal, 0.5, **options)
+    expected = generate(normal, ids, mask, new_tokens=4)
+    monkeypatch.setattr(llama, "rotate_half", _nanochat_rotate_half)
+    report = lorc_fx.compress(turned, 0.5, **options)
+    assert {l.rope.turn for l in report.plan.layers} == {-1}
+    assert all(l.k_latent_of == "pre_rope" and l.k_basis.shape[0] < 2 * head_dim
+               for l in report.plan.layers)
+    for backend in (None, lorc_backend.with_options(inductor=False)):
+        with compiled(turned, backend) if backend else contextlib.nullcontext():
+            got = generate(turned, ids, mask, new_tokens=4)
+        assert isinstance(got.past_key_values, LatentCache)
+        assert_same_generation(got, expected)
+
+
 @pytest.mark.parametrize("family, rope", [("gemma2", "commute"), ("gpt_oss", "reconstruct")])
 def test_softcapped_and_sink_attention_is_exact_at_full_rank_eager_and_compiled(family, rope):
     """gpt-oss in ``reconstruct`` mode also proves its RoPE (halves rotated apart, tables of
