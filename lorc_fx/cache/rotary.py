@@ -97,7 +97,8 @@ class RotaryLog:
 
     def incoming(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(cos, sin)`` handed over, one value per rotary head dim (tables of one
-        value per pair, ``rotary_dim / 2`` wide, repeated as the layout wants)."""
+        value per pair, ``rotary_dim / 2`` wide, repeated as the layout wants); ``sin``
+        negated where the model turns its pairs by -θ (``turn``)."""
         if self.pending is None:
             raise RuntimeError(
                 "rope='reconstruct' needs the RoPE angles of each step: the attention module "

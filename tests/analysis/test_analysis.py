@@ -333,7 +333,7 @@ def test_table_and_json():
     assert "half/4" in lines[2] and "32 rows in 0:80" in lines[2] and "tanh" in lines[4]
     data = json.loads(json.dumps(blocks_to_json(blocks)))
     assert data[0]["k"]["rows"][:3] == [8, 9, 10] and data[0]["rope_k"] == {
-        "style": "half", "rotary_dim": 4}
+        "style": "half", "rotary_dim": 4, "turn": 1}
     assert blocks_table([]).endswith("(no attention found)")
 
 
