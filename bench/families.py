@@ -31,6 +31,9 @@ fresh process (``--family NAME``) under a timeout:
 4. A copy of the model taken before step 3, ``compress(cache_fraction=1.0, latent_bits=16)``:
    greedy ``generate`` of 12 tokens (eager) for two 16-token prompts, the second left-padded by
    3 tokens, token for token against the uncompressed model.
+5. Where the report says MLA (its cache already the latent), a copy of the uncompressed model
+   compiled with ``lorc_backend`` (rewritten graphs run as they are): step 4's generate,
+   token for token, and how many blocks each graph read absorbed (``absorb_mla``).
 
 A failing step records the exception's type, the first line of its message and the innermost
 lorc_fx frame of its traceback; later steps still run. lorc_fx's on-disk caches
@@ -240,6 +243,7 @@ def run_family(family: str, record_path: Path) -> None:
     import transformers
 
     import lorc_fx
+    from lorc_fx.analysis.attention_match import MLA_REASON
 
     transformers.logging.set_verbosity_error()
     record = {"family": family}
@@ -276,7 +280,7 @@ def run_family(family: str, record_path: Path) -> None:
         record["long_new"] = new = LONG + NEW - cached  # 256 cached, as the others
         long_run = lambda m: generate(m, long, new=new)
         baseline["long"] = long_run(model)
-    fresh = copy.deepcopy(model)
+    fresh, uncompressed = copy.deepcopy(model), copy.deepcopy(model)
 
     record["step"] = "default"
     save()
@@ -312,8 +316,29 @@ def run_family(family: str, record_path: Path) -> None:
         except Exception as err:
             record["full_rank"] = "error"
             record["full_rank_failure"] = failure(err)
+    if "batch" in baseline and any(MLA_REASON in line for line in default.get("report", [])):
+        record["step"] = "MLA read absorbed"
+        save()
+        try:
+            record["mla_absorbed"] = read_absorbed(uncompressed, batch, mask, baseline["batch"])
+        except Exception as err:
+            record["mla_absorbed"] = failure(err)
     record["step"] = "done"
     save()
+
+
+def read_absorbed(model, batch, mask, expected) -> dict:
+    """Step 5: the uncompressed model compiled with ``lorc_backend`` (its rewritten graphs run
+    as they are): greedy tokens against eager's, and the MLA blocks each graph read absorbed."""
+    import torch
+
+    from lorc_fx.compile.backend import lorc_backend
+
+    backend = lorc_backend.with_options(inductor=False)
+    model.forward = torch.compile(model.forward, backend=backend)
+    got = generate(model, batch, mask, EXACT_NEW).sequences
+    return {"equal": torch.equal(got, expected.sequences),
+            "absorbed_per_graph": [r.counts.get("absorb_mla", 0) for r in backend.reports]}
 
 
 def sweep(families: list[str], timeout: float) -> list[dict]:
@@ -384,6 +409,11 @@ def summary(r: dict) -> str:
     value = r.get("default", {}).get("fraction_256")
     goal = "–" if value is None or not has_kv(r) else ("yes" if value <= GOAL else "no")
     exact = r.get("full_rank", "–")
+    absorbed = r.get("mla_absorbed")
+    if absorbed is not None:
+        exact += ("; compiled, MLA read absorbed: " + ("error" if "error" in absorbed else
+                  f"{'equal' if absorbed['equal'] else 'not equal'}, "
+                  f"{max(absorbed['absorbed_per_graph'], default=0)} blocks a graph"))
     return (f"| {r['family']} | {kv} | {fraction(r, 'fraction')} | {fraction(r, 'fraction_256')}"
             f" | {fraction(r, 'planned_fraction')} | {goal} | {exact} | {failed(r)} |")
 
@@ -392,6 +422,7 @@ def markdown(records: list[dict]) -> str:
     ran = [r for r in records if r.get("status") == "ran"]
     kv = [r for r in ran if has_kv(r)]
     below = lambda key: sum(1 for r in kv if (r.get("default", {}).get(key) or 9) <= GOAL)
+    mla = [r for r in kv if "mla_absorbed" in r]
     lines = [
         "# lorc_fx over every transformers causal-LM family (`bench/families.py`)", "",
         "Tiny random float32 models from each config class's defaults (hidden 64, 4 heads, "
@@ -420,6 +451,9 @@ def markdown(records: list[dict]) -> str:
         f"and {sum(r.get('full_rank') == 'equal (left alone)' for r in kv)} left alone (not "
         f"equal: {sum(r.get('full_rank', '').startswith('not') for r in kv)}, error: "
         f"{sum(r.get('full_rank') == 'error' for r in kv)})",
+        f"- MLA (its cache already the latent) compiled with `lorc_backend`, read absorbed: "
+        f"{len(mla)} families, {sum(bool(r['mla_absorbed'].get('equal')) for r in mla)} "
+        "token for token with the eager model",
     ]
     return "\n".join(lines) + "\n"
 

@@ -11,10 +11,14 @@ Order and invariants (docs/design.md, "Compile invariants"):
 2. ``absorb_latent_attention`` runs before lowering: it recognises attention over latents by
    the ``lorc::reconstruct`` nodes feeding SDPA, and over quantized sides by the
    ``lorc::dequantize`` nodes, which lowering turns into plain maths.
-3. ``lower_latent_ops`` runs last: whatever latent op is left (the cache's own ``project``
+3. ``absorb_mla`` runs before lowering too: it rewrites MLA's expansion of its cached latent
+   (``linear`` by the up-projection, split, joined with the shared RoPE key) wherever it
+   feeds SDPA, whatever the latent is (floats, or a quantized side's ``lorc::dequantize``,
+   which it leaves for lowering).
+4. ``lower_latent_ops`` runs last: whatever latent op is left (the cache's own ``project``
    on the write path, a reconstruct whose SDPA could not be absorbed) becomes plain torch
    maths that Inductor fuses with its neighbours.
-4. No pass calls ``graph.eliminate_dead_code()``: FX deems ``call_method`` nodes pure and
+5. No pass calls ``graph.eliminate_dead_code()``: FX deems ``call_method`` nodes pure and
    would delete a static cache's in-place writes. Passes erase the nodes they replace, one
    by one.
 
@@ -33,12 +37,15 @@ from torch._inductor.custom_graph_pass import CustomGraphModulePass, get_hash_fo
 from lorc_fx.cache.latent_ops import LOWERINGS
 from lorc_fx.plan.options import PlanOptions
 
-from .passes import absorb_latent_attention, compress_attention, graph_utils, lower_latent_ops
+from .passes import (absorb_latent_attention, absorb_mla, compress_attention, graph_utils,
+                     lower_latent_ops)
+from . import mla_attention
 from .passes.compress_attention import GraphCompression
 
-PASS_ORDER = ("compress_attention", "absorb_latent_attention", "lower_latent_ops")
+PASS_ORDER = ("compress_attention", "absorb_latent_attention", "absorb_mla", "lower_latent_ops")
 _PASS_FILES = tuple(m.__file__ for m in (compress_attention, absorb_latent_attention,
-                                         lower_latent_ops, graph_utils)) + (__file__,)
+                                         absorb_mla, lower_latent_ops, graph_utils,
+                                         mla_attention)) + (__file__,)
 
 
 @dataclass
@@ -79,6 +86,7 @@ class LorcPassManager(CustomGraphModulePass):
                                                                        self.options)
             report.counts["compress_attention"] = len(report.compression.compressed)
         report.counts["absorb_latent_attention"] = absorb_latent_attention.absorb_latent_attention(gm)
+        report.counts["absorb_mla"] = absorb_mla.absorb_mla(gm)
         report.counts["lower_latent_ops"] = lower_latent_ops.lower_latent_ops(gm)
         return report
 

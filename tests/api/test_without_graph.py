@@ -1,5 +1,5 @@
 """Issue #36: plain quantization needs no graph proof. Where the analysis declines a model's
-attention (MLA's queries joined from two projections; a forward dynamo cannot trace; a custom
+attention (MLA, whose cache is already its latent; a forward dynamo cannot trace; a custom
 eager attention it finds no attention in), ``compress`` at default options still codes what
 transformers' cache holds, chosen by bits alone, and says per layer why nothing else is."""
 import copy
@@ -14,6 +14,7 @@ import lorc_fx
 from helpers.families import (build, config_for, custom_attention_llama,
                               llama_with_one_custom_attention_layer)
 from helpers.pass_helpers import compiled
+from lorc_fx.analysis.attention_match import MLA_REASON
 from lorc_fx.cache import LatentCache, LatentDynamicLayer
 from lorc_fx.cache.own_layers import is_coded
 from lorc_fx.codes.rows import RowSpec
@@ -37,7 +38,7 @@ def _mla_untraceable():  # eager broadcasts the heads; dynamo's fake run does no
 
 
 DECLINED = {  # model, and what the analysis says of it
-    "mla": (_mla, "query: query_states (cat) joins several projected tensors"),
+    "mla": (_mla, MLA_REASON),
     "untraceable": (_mla_untraceable, "dynamo cannot trace DeepseekV3ForCausalLM"),
     "custom_attention": (custom_attention_llama, "its traced forward holds no attention"),
 }
@@ -69,16 +70,19 @@ def test_declined_attention_is_stored_as_plain_int8_at_default_options(name):
 def test_mla_stores_transformers_latent_as_codes_and_generates_compiled_as_eager():
     """transformers 5.23's DeepSeek-V3 already caches MLA's normalised latent (kv_lora_rank
     wide, in the keys' slot) and the shared RoPE key (in the values'): the plain plan codes
-    both; compiled with the backend (graph left as it is, since nothing is matched), generate
-    gives the eager tokens past a whole group of codes (70 tokens, G64)."""
+    both; compiled with the backend (the latent dequantized, then read absorbed:
+    ``absorb_mla``), generate gives the eager tokens past a whole group of codes (70 tokens,
+    G64)."""
     model = _mla()
     report = lorc_fx.compress(model, cache_fraction=0.3, progress=False)
     config = model.config
     layer = report.plan.layers[0]
     assert (layer.k_full, layer.v_full) == (config.kv_lora_rank, config.qk_rope_head_dim)
     eager = model.generate(LONG, max_new_tokens=4, do_sample=False)
-    with compiled(model, lorc_backend.with_options(inductor=False)):
+    backend = lorc_backend.with_options(inductor=False)
+    with compiled(model, backend):
         assert torch.equal(model.generate(LONG, max_new_tokens=4, do_sample=False), eager)
+    assert all(r.counts["absorb_mla"] == 2 for r in backend.reports)
 
 
 def _held_bytes(cache) -> int:
@@ -127,7 +131,7 @@ def test_options_that_need_the_graph_leave_a_declined_model_unchanged(options, w
     model = _mla()
     report = lorc_fx.compress(model, progress=False, **options)
     assert report.plan is None and why in report.left_alone
-    assert "query_states (cat) joins several projected tensors" in report.left_alone
+    assert MLA_REASON in report.left_alone
     assert not hasattr(model, "_lorc_plan")
 
 

@@ -28,6 +28,7 @@ from lorc_fx.compile import pass_manager
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
 from lorc_fx.compile.pass_manager import PASS_ORDER, LorcPassManager
 from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
+from lorc_fx.compile.passes import absorb_mla as absorb_mla_module
 from lorc_fx.compile.passes import compress_attention as compress_module
 from lorc_fx.compile.passes import lower_latent_ops as lower_module
 from lorc_fx.compile.passes.absorb_latent_attention import absorb_latent_attention
@@ -628,6 +629,7 @@ def spy_on_passes(monkeypatch):
     order = []
     for module, name in ((compress_module, "compress_attention"),
                          (absorb_module, "absorb_latent_attention"),
+                         (absorb_mla_module, "absorb_mla"),
                          (lower_module, "lower_latent_ops")):
         real = getattr(module, name)
 
@@ -646,12 +648,13 @@ def test_manager_runs_the_passes_in_their_stated_order(monkeypatch):
 
     report = LorcPassManager(options(1.0))(gm, inputs)
 
-    assert PASS_ORDER == ("compress_attention", "absorb_latent_attention", "lower_latent_ops")
+    assert PASS_ORDER == ("compress_attention", "absorb_latent_attention", "absorb_mla",
+                          "lower_latent_ops")
     assert order == list(PASS_ORDER) and tuple(report.counts) == PASS_ORDER
     # compress spliced both sides, absorb took both reconstructions, lower took the two
     # projections left on the write path: no latent op reaches Inductor.
     assert report.counts == dict(compress_attention=1, absorb_latent_attention=1,
-                                 lower_latent_ops=2)
+                                 absorb_mla=0, lower_latent_ops=2)
     assert report.absorbed == 1 and report.compression.compressed == [0]
     assert not any(t in LATENT_OPS for t in calls(gm))
     assert count(gm, latent_attention) == 1 and count(gm, project_math) == 2
@@ -665,10 +668,10 @@ def test_manager_does_not_compress_a_graph_that_reads_latents(monkeypatch):
     expected = gm(*inputs)
     order = spy_on_passes(monkeypatch)
     report = LorcPassManager(options(0.5))(gm, inputs)
-    assert order == ["absorb_latent_attention", "lower_latent_ops"]
+    assert order == ["absorb_latent_attention", "absorb_mla", "lower_latent_ops"]
     assert report.compression is None
     assert report.counts == dict(compress_attention=0, absorb_latent_attention=1,
-                                 lower_latent_ops=0)
+                                 absorb_mla=0, lower_latent_ops=0)
     assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
 
 

@@ -24,7 +24,8 @@ def erase_if_unused(graph: fx.Graph, nodes) -> None:
     pending = list(nodes)
     while pending:
         node = pending.pop()
-        if node.graph is graph and not node.users and node.op in ("call_function", "call_method"):
+        if (node.graph is graph and not node._erased and not node.users
+                and node.op in ("call_function", "call_method")):
             inputs = [n for n in node.all_input_nodes]
             graph.erase_node(node)
             pending.extend(inputs)
