@@ -17,11 +17,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 1), (4, 4)])
-@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("path", ["sdpa", "heads as rows", "kernel"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_latent_attention_equals_sdpa_over_reconstruction(heads, kv_heads, use_kernel, device):
+def test_latent_attention_equals_sdpa_over_reconstruction(heads, kv_heads, path, device):
     """``use_kernel=True`` on CPU runs ``lorc::latent_decode``'s torch path: the plumbing
-    (mask shape, scale, squeeze/unsqueeze) the CUDA kernel receives."""
+    (mask shape, scale, squeeze/unsqueeze) the CUDA kernel receives; ``heads_as_rows``
+    (decode steps) reads the query heads as rows of one head."""
     gen = torch.Generator().manual_seed(0)
     b, n, d, r_k, r_v = 3, 11, 8, 5, 7
     rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
@@ -35,7 +36,8 @@ def test_latent_attention_equals_sdpa_over_reconstruction(heads, kv_heads, use_k
                                               enable_gqa=True)
     on = lambda x: x.float().to(device)  # noqa: E731
     got = latent_attention(on(q), on(c_k), on(c_v), on(k_basis), on(v_basis), kv_heads,
-                           attn_mask=mask.to(device), scale=0.3, use_kernel=use_kernel)
+                           attn_mask=mask.to(device), scale=0.3, use_kernel=path == "kernel",
+                           heads_as_rows=path == "heads as rows")
     torch.testing.assert_close(got.double().cpu(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -10,7 +10,7 @@ Patterns (as the latent cache traces)::
 
 With post-RoPE keys the SDPA becomes ``latent_attention`` (the query goes through the
 per-head blocks of ``P_k``, attention runs once over the shared latent, the output comes back
-through ``P_v``). With pre-RoPE keys, in a graph of at most ``MAX_DECODE_QUERY`` query tokens
+through ``P_v``; in decode graphs the query heads are read as rows of the latent's one head). With pre-RoPE keys, in a graph of at most ``MAX_DECODE_QUERY`` query tokens
 (decode steps, draft verification), it becomes ``rotary_latent_attention``: keys rebuilt
 and scored against queries turned back by each key's angle, values absorbed. Both exact; neither builds a ``(b, h, n, d)`` repeat of the
 heads. Prefill over pre-RoPE keys keeps SDPA over the rebuilt keys and values (the fused
@@ -163,7 +163,7 @@ def _absorbed_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
         return latent_attention, (
             sdpa["query"], k["latent"], v["latent"], k["basis"], v["basis"], k["num_heads"]), dict(
             attn_mask=mask, dropout_p=sdpa.get("dropout_p", 0.0),
-            is_causal=sdpa.get("is_causal", False), scale=scale)
+            is_causal=sdpa.get("is_causal", False), scale=scale, heads_as_rows=_is_decode(sdpa))
     if k_src.target is ROTATED_RECONSTRUCT and _is_decode(sdpa):
         k = _bound(k_src, _ROTATED_ARGS)
         return rotary_latent_attention, (

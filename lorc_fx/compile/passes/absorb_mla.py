@@ -9,16 +9,15 @@ from torch import fx
 from lorc_fx.analysis.fx_ops import arg
 from lorc_fx.analysis.mla_match import match_mla
 from lorc_fx.compile.mla_attention import mla_attention
+from .absorb_latent_attention import MAX_DECODE_QUERY
 from .graph_utils import SDPA_TARGETS, erase_if_unused, fake
-
-# query tokens up to which the heads are read as query rows (their mask expanded per head)
-MAX_ROWS_QUERY = 32
 
 
 def _few_query_tokens(query: fx.Node) -> bool:
-    """A static query length of at most ``MAX_ROWS_QUERY``: decode steps, draft verification."""
+    """A static query length of at most ``MAX_DECODE_QUERY`` (decode steps, draft
+    verification): the heads are read as query rows, their mask expanded per head."""
     t = fake(query).shape[2]
-    return isinstance(t, int) and t <= MAX_ROWS_QUERY
+    return isinstance(t, int) and t <= MAX_DECODE_QUERY
 
 
 def absorb_mla(gm: fx.GraphModule) -> int:
