@@ -1,9 +1,9 @@
 """Compiled decode of an MLA model (DeepSeek-V3's attention shapes, random weights) with
 transformers' per-step expansion of the cached latent (``model.compile()``) against the same
-model read absorbed (``model.compile(backend=lorc_backend)``: ``compile.passes.absorb_mla``), and read absorbed from
-int8 codes (``lorc_fx.compress(model)`` first, default options: plain codes of the latent
-and the RoPE key), the three in ONE process, their ``generate`` calls alternated round by
-round.
+model read absorbed (``model.compile(backend=lorc_backend)``: ``compile.passes.absorb_mla``),
+and read absorbed from int8 codes (``lorc_fx.compress(model)`` first, default options: plain
+codes of the latent and the RoPE key), the three in ONE process, their ``generate`` calls
+alternated round by round.
 
     OMP_NUM_THREADS=1 python bench/mla_decode.py --context 4096 --heads 16
 

@@ -12,9 +12,9 @@ Pattern (transformers' ``expand_kv`` of DeepSeek-V3 and the families built from 
 
 (``q`` is ``cat([q_nope, q_rope])`` with RoPE on the second part, or one projection where the
 model has no RoPE: Kimi-Linear.) Invariants of a match: the query's heads are the ``h`` the
-expansion makes (no ``repeat_kv`` between), it is as wide as the key, the joined key feeds this attention alone
-(its slices' copies can go with it), the linear has no bias, and no dropout. Anything else is
-no match.
+expansion makes (no ``repeat_kv`` between), it is as wide as the key, the joined key feeds
+this attention alone (its slices' copies can go with it), the linear has no bias, and no
+dropout. Anything else is no match.
 """
 from __future__ import annotations
 
@@ -131,4 +131,3 @@ def _key_parts(key, d_n: int, sdpa: Node):
     if len(copied) != 2 or nope is None or rope is None:
         return None
     return nope, rope, tuple(nodes)
-

@@ -37,9 +37,9 @@ from torch._inductor.custom_graph_pass import CustomGraphModulePass, get_hash_fo
 from lorc_fx.cache.latent_ops import LOWERINGS
 from lorc_fx.plan.options import PlanOptions
 
+from . import mla_attention
 from .passes import (absorb_latent_attention, absorb_mla, compress_attention, graph_utils,
                      lower_latent_ops)
-from . import mla_attention
 from .passes.compress_attention import GraphCompression
 
 PASS_ORDER = ("compress_attention", "absorb_latent_attention", "absorb_mla", "lower_latent_ops")

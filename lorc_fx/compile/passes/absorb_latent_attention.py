@@ -10,7 +10,8 @@ Patterns (as the latent cache traces)::
 
 With post-RoPE keys the SDPA becomes ``latent_attention`` (the query goes through the
 per-head blocks of ``P_k``, attention runs once over the shared latent, the output comes back
-through ``P_v``; in decode graphs the query heads are read as rows of the latent's one head). With pre-RoPE keys, in a graph of at most ``MAX_DECODE_QUERY`` query tokens
+through ``P_v``; in decode graphs the query heads are read as rows of the latent's one head).
+With pre-RoPE keys, in a graph of at most ``MAX_DECODE_QUERY`` query tokens
 (decode steps, draft verification), it becomes ``rotary_latent_attention``: keys rebuilt
 and scored against queries turned back by each key's angle, values absorbed. Both exact; neither builds a ``(b, h, n, d)`` repeat of the
 heads. Prefill over pre-RoPE keys keeps SDPA over the rebuilt keys and values (the fused

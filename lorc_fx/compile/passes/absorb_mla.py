@@ -33,8 +33,9 @@ def absorb_mla(gm: fx.GraphModule) -> int:
             new = graph.call_function(
                 mla_attention,
                 (match.query, match.latent, match.rope_key, match.weight, match.nope_dim),
-                dict(attn_mask=arg(node, 3, "attn_mask"), is_causal=arg(node, 5, "is_causal", False),
-                     scale=arg(node, 6, "scale"), heads_as_rows=_few_query_tokens(match.query)))
+                dict(attn_mask=arg(node, 3, "attn_mask"),
+                     is_causal=arg(node, 5, "is_causal", False), scale=arg(node, 6, "scale"),
+                     heads_as_rows=_few_query_tokens(match.query)))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
