@@ -22,7 +22,7 @@ from .graph_facts import GraphFacts
 from .head_layout import (HeadLayout, HeadMap, decode_heads, expand_kv, head_groups,
                           output_columns_ok, rope_layout)
 from .index_replay import NotReplayable, replay_node, source_index
-from .mla_match import match_mla
+from .mla_match import match_manual_mla, match_mla
 from .path_walk import TRANSFORMS, Path, walk_back
 from .projections import LinearNode
 from .records import NO_ROPE, AttentionBlock, GraphNodes, Projection
@@ -66,7 +66,7 @@ def _match_site(site: AttentionSite, facts: GraphFacts) -> AttentionBlock:
         m.supported, m.reason = False, str(e)
     except Exception as e:  # an arbitrary graph must never abort the analysis
         m.supported, m.reason = False, f"matcher failed: {type(e).__name__}: {e}"
-    if not m.supported and match_mla(site.node) is not None:
+    if not m.supported and (match_mla(site.node) or match_manual_mla(site.node)) is not None:
         m.reason = MLA_REASON
     return m
 

@@ -9,6 +9,7 @@ Pattern (transformers' ``expand_kv`` of DeepSeek-V3 and the families built from 
     k[..., :d_n].copy_(k_nope); k[..., d_n:].copy_(k_r.expand(-1, h, -1, -1))
         # or k = cat([k_nope, k_r.expand(-1, h, -1, -1)], dim=-1)
     out = sdpa(q, k, v, ...)                                      # k_r: (b, 1, n, d_r)
+        # or, in manual attention, p = f(matmul(q, k.transpose(2, 3))); out = matmul(p, v)
 
 (``q`` is ``cat([q_nope, q_rope])`` with RoPE on the second part, or one projection where the
 model has no RoPE: Kimi-Linear.) Invariants of a match: the query's heads are the ``h`` the
@@ -18,7 +19,7 @@ dropout. Anything else is no match.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.fx import Node
 
@@ -40,14 +41,54 @@ def match_mla(sdpa: Node) -> MlaMatch | None:
     if op_name(sdpa) != "scaled_dot_product_attention" or arg(sdpa, 4, "dropout_p", 0.0):
         return None
     query, key, value = (arg(sdpa, i, name) for i, name in enumerate(("query", "key", "value")))
+    return _match(query, key, value, sdpa)
+
+
+def match_manual_mla(sums: Node) -> tuple[MlaMatch, Node] | None:
+    """``(match, scores)`` where ``sums`` is manual attention's ``matmul(p, v)`` over MLA's
+    expanded values and ``scores`` the ``matmul(q, k.transpose(2, 3))`` of its keys, or None.
+    Whatever lies between the two (scale, mask, softcap, sink logits, softmax) stays."""
+    if op_name(sums) != "matmul" or len(sums.args) != 2:
+        return None
+    key = _key_of(sums.args[1])
+    users = list(key.users) if key is not None else []
+    transposed = [u for u in users if op_name(u) == "transpose"]
+    if len(transposed) != 1 or sorted(transposed[0].args[1:3]) not in ([2, 3], [-2, -1]) \
+            or len(transposed[0].users) != 1:
+        return None
+    scores = next(iter(transposed[0].users))
+    if op_name(scores) != "matmul" or scores.args[1:] != (transposed[0],):
+        return None
+    match = _match(scores.args[0], key, sums.args[1], transposed[0])
+    if match is None:
+        return None
+    return replace(match, expansion=(*match.expansion, transposed[0])), scores
+
+
+def _key_of(value) -> Node | None:
+    """The key joined beside MLA's expanded ``value`` (the buffer its first part is copied
+    into, or the ``cat`` that takes it), found from the value's split."""
     part = _split_part(value)
     if part is None or part[1] != 1:
+        return None
+    firsts = [u for u in part[0].users if op_name(u) == "getitem" and u.args[1] == 0]
+    readers = [r for f in firsts for r in f.users]
+    joins = {w.args[0].args[0] if op_name(w) == "copy_" else w for w in readers
+             if op_name(w) == "cat" or (op_name(w) == "copy_" and op_name(w.args[0]) == "getitem")}
+    return joins.pop() if len(joins) == 1 else None
+
+
+def _match(query, key, value, reader: Node) -> MlaMatch | None:
+    """The match for attention reading ``query``, ``key`` (through ``reader`` alone) and
+    ``value``."""
+    part = _split_part(value)
+    if part is None or part[1] != 1 or not isinstance(key, Node):
         return None
     expansion = _expansion(part[0])
     if expansion is None:
         return None
     latent, weight, heads, d_n = expansion
-    joined = _key_parts(key, d_n, sdpa)
+    joined = _key_parts(key, d_n, reader)
     if joined is None or _split_part(joined[0]) != (part[0], 0):
         return None
     rope_key = _rope_key(joined[1], heads)
@@ -108,8 +149,8 @@ def _rope_key(node, heads: int) -> Node | None:
     return source
 
 
-def _key_parts(key, d_n: int, sdpa: Node):
-    """``(k_nope, k_r expanded, nodes)`` of a key joined from the two for ``sdpa`` alone,
+def _key_parts(key, d_n: int, reader: Node):
+    """``(k_nope, k_r expanded, nodes)`` of a key joined from the two for ``reader`` alone,
     ``nodes`` the join's own (the buffer, its slices and their copies); None otherwise."""
     if _joined_last(key):
         return (*key.args[0], (key,)) if len(key.users) == 1 else None
@@ -117,7 +158,7 @@ def _key_parts(key, d_n: int, sdpa: Node):
         return None
     copied, nodes = {}, [key]
     for user in key.users:
-        if user is sdpa:
+        if user is reader:
             continue
         index = user.args[1] if op_name(user) == "getitem" else None
         writes = list(user.users)

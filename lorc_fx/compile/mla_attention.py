@@ -11,7 +11,9 @@ whole cache every step. With the query ``cat(q_n, q_r)`` (``d_n + d_r`` wide)::
 so attention becomes multi-query attention over ``cat(c, k_r)`` with the value ``c``, the
 up-projection moved onto the query and the output: the absorption DeepSeek's own inference
 code uses. Exact (the same sums in another order); per step it costs ``h·(d_n + d_v)·r``
-multiply-adds a query token instead of ``n·r·h·(d_n + d_v)`` for the expansion.
+multiply-adds a query token instead of ``n·r·h·(d_n + d_v)`` for the expansion. Manual
+attention (sink logits, softcaps between its two products) reads the same through
+:func:`mla_scores` and :func:`mla_sums`.
 """
 from __future__ import annotations
 
@@ -35,3 +37,22 @@ def mla_attention(query, latent, rope_key, up_weight, nope_dim: int, attn_mask=N
                            torch.cat((latent, rope_key), dim=-1), latent, attn_mask, dropout_p,
                            is_causal, scale, heads_as_rows)
     return torch.einsum("bhtr,hvr->bhtv", out, per_head[:, nope_dim:])
+
+
+def mla_scores(query, latent, rope_key, up_weight, nope_dim: int):
+    """Manual attention's ``query @ key.transpose(2, 3)`` over the keys MLA expands, unscaled:
+    ``(b, h, t, n)``, the heads read as query rows of the latent."""
+    b, h, t, _ = query.shape
+    r = latent.shape[-1]
+    per_head = up_weight.view(h, -1, r)
+    q_latent = torch.einsum("bhtd,hdr->bhtr", query[..., :nope_dim], per_head[:, :nope_dim])
+    rows = torch.cat((q_latent, query[..., nope_dim:]), dim=-1).reshape(b, 1, h * t, -1)
+    return (rows @ torch.cat((latent, rope_key), dim=-1).transpose(-1, -2)).view(b, h, t, -1)
+
+
+def mla_sums(probs, latent, up_weight, nope_dim: int):
+    """Manual attention's ``probs @ value`` over the values MLA expands: ``(b, h, t, d_v)``."""
+    b, h, t, n = probs.shape
+    r = latent.shape[-1]
+    out = (probs.reshape(b, 1, h * t, n) @ latent.to(probs.dtype)).view(b, h, t, r)
+    return torch.einsum("bhtr,hvr->bhtv", out, up_weight.view(h, -1, r)[:, nope_dim:])

@@ -1,14 +1,15 @@
 """Rewrite attention over MLA's per-step expansion of its cached latent
 (``analysis.mla_match``) into ``compile.mla_attention``: attention over the latent, the
-up-projection folded into query and output. Exact; whatever the latent is (the cache's floats,
-a quantized side's ``lorc::dequantize``) stays as it is, for lowering."""
+up-projection folded into query and output (SDPA, or manual attention's two products).
+Exact; whatever the latent is (the cache's floats, a quantized side's ``lorc::dequantize``)
+stays as it is, for lowering."""
 from __future__ import annotations
 
 from torch import fx
 
 from lorc_fx.analysis.fx_ops import arg
-from lorc_fx.analysis.mla_match import match_mla
-from lorc_fx.compile.mla_attention import mla_attention
+from lorc_fx.analysis.mla_match import match_manual_mla, match_mla
+from lorc_fx.compile.mla_attention import mla_attention, mla_scores, mla_sums
 from .absorb_latent_attention import MAX_DECODE_QUERY
 from .graph_utils import SDPA_TARGETS, erase_if_unused, fake
 
@@ -21,7 +22,8 @@ def _few_query_tokens(query: fx.Node) -> bool:
 
 
 def absorb_mla(gm: fx.GraphModule) -> int:
-    """Rewrite every SDPA over MLA's expanded latent; returns the count."""
+    """Rewrite every attention over MLA's expanded latent (SDPA, or manual attention's two
+    products); returns the count."""
     graph, rewritten = gm.graph, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
@@ -29,18 +31,32 @@ def absorb_mla(gm: fx.GraphModule) -> int:
         match = match_mla(node)
         if match is None:
             continue
-        with graph.inserting_before(node):
-            new = graph.call_function(
-                mla_attention,
-                (match.query, match.latent, match.rope_key, match.weight, match.nope_dim),
-                dict(attn_mask=arg(node, 3, "attn_mask"),
-                     is_causal=arg(node, 5, "is_causal", False), scale=arg(node, 6, "scale"),
-                     heads_as_rows=_few_query_tokens(match.query)))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+        _replace(graph, node, mla_attention,
+                 (match.query, match.latent, match.rope_key, match.weight, match.nope_dim),
+                 dict(attn_mask=arg(node, 3, "attn_mask"),
+                      is_causal=arg(node, 5, "is_causal", False), scale=arg(node, 6, "scale"),
+                      heads_as_rows=_few_query_tokens(match.query)))
+        erase_if_unused(graph, match.expansion)
+        rewritten += 1
+    for node in list(graph.nodes):
+        found = match_manual_mla(node) if node.op == "call_function" else None
+        if found is None:
+            continue
+        match, scores = found
+        _replace(graph, scores, mla_scores,
+                 (match.query, match.latent, match.rope_key, match.weight, match.nope_dim))
+        _replace(graph, node, mla_sums,
+                 (node.args[0], match.latent, match.weight, match.nope_dim))
         erase_if_unused(graph, match.expansion)
         rewritten += 1
     graph.lint()
     gm.recompile()
     return rewritten
+
+
+def _replace(graph: fx.Graph, node: fx.Node, function, args, kwargs=None) -> None:
+    with graph.inserting_before(node):
+        new = graph.call_function(function, args, kwargs or {})
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
