@@ -63,12 +63,30 @@ class _Stamps(LogitsProcessor):
         return scores
 
 
-def decode_step_ms(model, ids, new_tokens: int, cache: str, warmup: int) -> float:
-    """The median decode step of one ``generate``, its first ``warmup`` steps left out."""
+def decode_steps(model, ids, new_tokens: int, cache: str, warmup: int):
+    """The median decode step (ms) of one ``generate``, its first ``warmup`` steps left out,
+    and the tokens it gave."""
     stamps = _Stamps()
-    _generate(model, ids, new_tokens, stamps, cache)
+    out, _ = _generate(model, ids, new_tokens, stamps, cache)
     steps = [b - a for a, b in zip(stamps.at, stamps.at[1:])]
-    return 1e3 * statistics.median(steps[warmup:])
+    return 1e3 * statistics.median(steps[warmup:]), out.sequences
+
+
+def alternated(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """Each of ``runs`` (name: a call giving ms) once a round, in an order rotated each round,
+    printed as they come; exits where a timed call compiled a graph."""
+    graphs = counters["stats"]["unique_graphs"]
+    ms = {name: [] for name in runs}
+    names = list(runs)
+    for round_ in range(rounds):
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
+            ms[name].append(runs[name]())
+        print(f"round {round_}: " + ", ".join(f"{n} {ms[n][-1]:.1f} ms" for n in names),
+              flush=True)
+    if counters["stats"]["unique_graphs"] != graphs:
+        raise SystemExit("a timed generate compiled a graph: the timings include a compile")
+    return ms
 
 
 def main() -> None:
@@ -92,29 +110,19 @@ def main() -> None:
     report = (lorc_fx.compress(model, plan=args.plan) if args.plan else
               lorc_fx.compress(model, cache_fraction=args.fraction))
     model.compile(backend=lorc_fx.lorc_backend)
-    decode_step_ms(model, ids, args.new_tokens, "none", args.warmup_steps)  # compiles
+    decode_steps(model, ids, args.new_tokens, "none", args.warmup_steps)  # compiles
     variants = {compressed: (model, "none")}
     # read by transformers whenever it traces an SDPA call: set after README's model compiled
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     for name, cache in (("full-dynamic", "none"), ("full-static", "static")):
         model = lorc_fx.load_model("default")
         model.compile()
-        decode_step_ms(model, ids, args.new_tokens, cache, args.warmup_steps)  # compiles
+        decode_steps(model, ids, args.new_tokens, cache, args.warmup_steps)  # compiles
         variants[name] = (model, cache)
 
-    graphs = counters["stats"]["unique_graphs"]
-    ms = {name: [] for name in variants}
-    names = list(variants)
-    for round_ in range(args.rounds):
-        turn = round_ % len(names)
-        for name in names[turn:] + names[:turn]:
-            model, cache = variants[name]
-            ms[name].append(decode_step_ms(model, ids, args.new_tokens, cache,
-                                           args.warmup_steps))
-        print(f"round {round_}: " + ", ".join(f"{n} {ms[n][-1]:.1f} ms" for n in names),
-              flush=True)
-    if counters["stats"]["unique_graphs"] != graphs:
-        raise SystemExit("a timed generate compiled a graph: the timings include a compile")
+    ms = alternated({name: lambda m=model, c=cache: decode_steps(m, ids, args.new_tokens, c,
+                                                                 args.warmup_steps)[0]
+                     for name, (model, cache) in variants.items()}, args.rounds)
 
     fastest_full = [min(d, s) for d, s in zip(ms["full-dynamic"], ms["full-static"])]
     ratios = [f / p for f, p in zip(fastest_full, ms[compressed])]

@@ -23,16 +23,15 @@ import os
 import platform
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 from transformers import AutoModelForCausalLM, DeepseekV3Config  # noqa: E402
 
-from decode_ab import _Stamps  # noqa: E402
-from long_context import _generate  # noqa: E402
+from decode_ab import alternated, decode_steps  # noqa: E402
 import lorc_fx  # noqa: E402
 from lorc_fx.compile.backend import lorc_backend  # noqa: E402
 
@@ -62,13 +61,6 @@ def bytes_per_token(config, heads: int) -> dict:
     return {k: 4 * v * config.num_hidden_layers for k, v in per_layer.items()}
 
 
-def decode(model, ids, new_tokens: int, warmup: int):
-    stamps = _Stamps()
-    out, _ = _generate(model, ids, new_tokens, stamps, "none")
-    steps = [b - a for a, b in zip(stamps.at, stamps.at[1:])]
-    return 1e3 * statistics.median(steps[warmup:]), out.sequences
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=4096)
@@ -92,24 +84,19 @@ def main() -> None:
         if name.endswith("codes"):  # plain codes of the latent and RoPE key, default options
             coded = lorc_fx.compress(model, progress=False)
         model.compile(backend=backend)
-        decode(model, ids, args.new_tokens, args.warmup_steps)  # compiles
+        decode_steps(model, ids, args.new_tokens, "none", args.warmup_steps)  # compiles
         variants[name] = model
     for model in variants.values():  # an untimed round: the first two compiled again once the
-        decode(model, ids, args.new_tokens, args.warmup_steps)  # third had run
+        decode_steps(model, ids, args.new_tokens, "none", args.warmup_steps)  # third had run
     absorbed = sum(r.counts.get("absorb_mla", 0) for r in lorc_backend.reports)
-    graphs = counters["stats"]["unique_graphs"]
-    ms = {name: [] for name in variants}
     tokens = {}
-    for round_ in range(args.rounds):
-        turn = round_ % len(variants)
-        names = list(variants)[turn:] + list(variants)[:turn]
-        for name in names:
-            step, tokens[name] = decode(variants[name], ids, args.new_tokens, args.warmup_steps)
-            ms[name].append(step)
-        print(f"round {round_}: " + ", ".join(f"{n} {ms[n][-1]:.1f} ms" for n in variants),
-              flush=True)
-    if counters["stats"]["unique_graphs"] != graphs:
-        raise SystemExit("a timed generate compiled a graph: the timings include a compile")
+
+    def timed(name: str) -> float:
+        step, tokens[name] = decode_steps(variants[name], ids, args.new_tokens, "none",
+                                          args.warmup_steps)
+        return step
+
+    ms = alternated({name: partial(timed, name) for name in variants}, args.rounds)
     same = torch.equal(tokens["expanded"], tokens["absorbed"])
     ratios = [e / a for e, a in zip(ms["expanded"], ms["absorbed"])]
     coded_ratios = [e / a for e, a in zip(ms["expanded"], ms["absorbed, int8 codes"])]

@@ -29,30 +29,42 @@ def mla_attention(query, latent, rope_key, up_weight, nope_dim: int, attn_mask=N
     ``latent`` ``(b, 1, n, r)`` and ``rope_key`` ``(b, 1, n, d_r)`` by ``up_weight``
     ``(h·(d_n + d_v), r)``, ``d_n = nope_dim``; returns ``(b, h, t, d_v)``. ``heads_as_rows``
     as ``latent_attention.multi_query_sdpa`` (for decode steps)."""
-    h, r = query.shape[1], latent.shape[-1]
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    per_head = up_weight.view(h, -1, r)  # (h, d_n + d_v, r)
-    q_latent = torch.einsum("bhtd,hdr->bhtr", query[..., :nope_dim], per_head[:, :nope_dim])
-    out = multi_query_sdpa(torch.cat((q_latent, query[..., nope_dim:]), dim=-1),
+    out = multi_query_sdpa(_latent_query(query, up_weight, nope_dim),
                            torch.cat((latent, rope_key), dim=-1), latent, attn_mask, dropout_p,
                            is_causal, scale, heads_as_rows)
-    return torch.einsum("bhtr,hvr->bhtv", out, per_head[:, nope_dim:])
+    return _head_outputs(out, up_weight, nope_dim)
 
 
 def mla_scores(query, latent, rope_key, up_weight, nope_dim: int):
     """Manual attention's ``query @ key.transpose(2, 3)`` over the keys MLA expands, unscaled:
     ``(b, h, t, n)``, the heads read as query rows of the latent."""
     b, h, t, _ = query.shape
-    r = latent.shape[-1]
-    per_head = up_weight.view(h, -1, r)
-    q_latent = torch.einsum("bhtd,hdr->bhtr", query[..., :nope_dim], per_head[:, :nope_dim])
-    rows = torch.cat((q_latent, query[..., nope_dim:]), dim=-1).reshape(b, 1, h * t, -1)
+    rows = _latent_query(query, up_weight, nope_dim).reshape(b, 1, h * t, -1)
     return (rows @ torch.cat((latent, rope_key), dim=-1).transpose(-1, -2)).view(b, h, t, -1)
 
 
 def mla_sums(probs, latent, up_weight, nope_dim: int):
     """Manual attention's ``probs @ value`` over the values MLA expands: ``(b, h, t, d_v)``."""
     b, h, t, n = probs.shape
-    r = latent.shape[-1]
-    out = (probs.reshape(b, 1, h * t, n) @ latent.to(probs.dtype)).view(b, h, t, r)
-    return torch.einsum("bhtr,hvr->bhtv", out, up_weight.view(h, -1, r)[:, nope_dim:])
+    out = probs.reshape(b, 1, h * t, n) @ latent.to(probs.dtype)
+    return _head_outputs(out.view(b, h, t, -1), up_weight, nope_dim)
+
+
+def _per_head(up_weight, heads: int) -> torch.Tensor:
+    """``W`` as ``(h, d_n + d_v, r)``: each head's rows."""
+    return up_weight.view(heads, -1, up_weight.shape[-1])
+
+
+def _latent_query(query, up_weight, nope_dim: int):
+    """``cat(W_kᵀ q_n, q_r)`` ``(b, h, t, r + d_r)``: the query as the latent's keys meet it."""
+    w_k = _per_head(up_weight, query.shape[1])[:, :nope_dim]
+    q_latent = torch.einsum("bhtd,hdr->bhtr", query[..., :nope_dim], w_k)
+    return torch.cat((q_latent, query[..., nope_dim:]), dim=-1)
+
+
+def _head_outputs(out, up_weight, nope_dim: int):
+    """Each head's weighted sum of latents ``(b, h, t, r)`` through its ``W_v``:
+    ``(b, h, t, d_v)``."""
+    w_v = _per_head(up_weight, out.shape[1])[:, nope_dim:]
+    return torch.einsum("bhtr,hvr->bhtv", out, w_v)

@@ -54,7 +54,7 @@ from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXE
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
 from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.cache.stores.vector_ops import VECTOR_LATENTS
-from .graph_utils import SDPA_TARGETS, erase_if_unused, fake, strip_repeat_kv
+from .graph_utils import SDPA_TARGETS, erase_if_unused, fake, replace_call, strip_repeat_kv
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
@@ -76,11 +76,17 @@ def _bound(node: fx.Node, names: tuple[str, ...]) -> dict:
     return bound
 
 
+def few_query_tokens(query: fx.Node) -> bool:
+    """A static query length of at most ``MAX_DECODE_QUERY``: decode steps, draft
+    verification."""
+    value = fake(query)
+    t = None if value is None else value.shape[2]
+    return isinstance(t, int) and t <= MAX_DECODE_QUERY
+
+
 def _is_decode(sdpa: dict) -> bool:
-    """A static query length of at most ``MAX_DECODE_QUERY``, no dropout, no causal flag."""
-    query = fake(sdpa["query"])
-    t = None if query is None else query.shape[2]
-    return (isinstance(t, int) and t <= MAX_DECODE_QUERY and not sdpa.get("dropout_p")
+    """:func:`few_query_tokens`, no dropout, no causal flag."""
+    return (few_query_tokens(sdpa["query"]) and not sdpa.get("dropout_p")
             and not sdpa.get("is_causal"))
 
 
@@ -184,13 +190,8 @@ def absorb_latent_attention(gm: fx.GraphModule) -> int:
         call = _absorbed_call(a, strip_repeat_kv(a["key"]), strip_repeat_kv(a["value"]))
         if call is None:
             continue
-        with graph.inserting_before(node):
-            new = graph.call_function(*call)
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        stale = [a["key"], a["value"]]
-        graph.erase_node(node)
-        erase_if_unused(graph, stale)
+        replace_call(graph, node, *call)
+        erase_if_unused(graph, [a["key"], a["value"]])
         rewritten += 1
     graph.lint()
     gm.recompile()

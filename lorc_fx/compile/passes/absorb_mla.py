@@ -10,15 +10,8 @@ from torch import fx
 from lorc_fx.analysis.fx_ops import arg
 from lorc_fx.analysis.mla_match import match_manual_mla, match_mla
 from lorc_fx.compile.mla_attention import mla_attention, mla_scores, mla_sums
-from .absorb_latent_attention import MAX_DECODE_QUERY
-from .graph_utils import SDPA_TARGETS, erase_if_unused, fake
-
-
-def _few_query_tokens(query: fx.Node) -> bool:
-    """A static query length of at most ``MAX_DECODE_QUERY`` (decode steps, draft
-    verification): the heads are read as query rows, their mask expanded per head."""
-    t = fake(query).shape[2]
-    return isinstance(t, int) and t <= MAX_DECODE_QUERY
+from .absorb_latent_attention import few_query_tokens
+from .graph_utils import SDPA_TARGETS, erase_if_unused, replace_call
 
 
 def absorb_mla(gm: fx.GraphModule) -> int:
@@ -31,11 +24,13 @@ def absorb_mla(gm: fx.GraphModule) -> int:
         match = match_mla(node)
         if match is None:
             continue
-        _replace(graph, node, mla_attention,
-                 (match.query, match.latent, match.rope_key, match.weight, match.nope_dim),
-                 dict(attn_mask=arg(node, 3, "attn_mask"),
-                      is_causal=arg(node, 5, "is_causal", False), scale=arg(node, 6, "scale"),
-                      heads_as_rows=_few_query_tokens(match.query)))
+        # decode steps read the heads as query rows, their mask expanded per head
+        replace_call(graph, node, mla_attention,
+                     (match.query, match.latent, match.rope_key, match.weight, match.nope_dim),
+                     dict(attn_mask=arg(node, 3, "attn_mask"),
+                          is_causal=arg(node, 5, "is_causal", False),
+                          scale=arg(node, 6, "scale"),
+                          heads_as_rows=few_query_tokens(match.query)))
         erase_if_unused(graph, match.expansion)
         rewritten += 1
     for node in list(graph.nodes):
@@ -43,20 +38,13 @@ def absorb_mla(gm: fx.GraphModule) -> int:
         if found is None:
             continue
         match, scores = found
-        _replace(graph, scores, mla_scores,
-                 (match.query, match.latent, match.rope_key, match.weight, match.nope_dim))
-        _replace(graph, node, mla_sums,
-                 (node.args[0], match.latent, match.weight, match.nope_dim))
+        replace_call(graph, scores, mla_scores,
+                     (match.query, match.latent, match.rope_key, match.weight, match.nope_dim))
+        replace_call(graph, node, mla_sums,
+                     (node.args[0], match.latent, match.weight, match.nope_dim))
         erase_if_unused(graph, match.expansion)
         rewritten += 1
     graph.lint()
     gm.recompile()
     return rewritten
 
-
-def _replace(graph: fx.Graph, node: fx.Node, function, args, kwargs=None) -> None:
-    with graph.inserting_before(node):
-        new = graph.call_function(function, args, kwargs or {})
-    new.meta = dict(node.meta)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)

@@ -31,6 +31,17 @@ def erase_if_unused(graph: fx.Graph, nodes) -> None:
             pending.extend(inputs)
 
 
+def replace_call(graph: fx.Graph, node: fx.Node, function, args, kwargs=None) -> fx.Node:
+    """A call of ``function`` in ``node``'s place: its users and meta moved over, ``node``
+    erased (what fed only it is the caller's to erase)."""
+    with graph.inserting_before(node):
+        new = graph.call_function(function, tuple(args), kwargs or {})
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
 _FUNCTIONS = {torch.Tensor.expand: "expand", torch.reshape: "reshape",
               torch.unsqueeze: "unsqueeze", operator.getitem: "getitem"}
 
