@@ -309,8 +309,8 @@ class _VectorPositions(_Positions):
         ab = ab.float()
         rotary_dim = cos.shape[-1]
         slots = lambda x: per_pair(x[:, :self.slots], style).float()  # noqa: E731  (b, slots, P)
-        codes = torch.ops.lorc.vector_turned_scores(ab, slots(cos), slots(sin), list(pairs),
-                                                    *self.codes)
+        at = torch.tensor(pairs, dtype=torch.int32)  # each channel's pair, a graph constant
+        codes = torch.ops.lorc.vector_turned_scores(ab, slots(cos), slots(sin), at, *self.codes)
         window = self.window[:, 0].float()  # (b, rows, r)
         rows = turned(window, cos[:, self.slots:], sin[:, self.slots:], style, pairs)
         scores = torch.cat([codes, ab @ rows.transpose(1, 2)], dim=-1)

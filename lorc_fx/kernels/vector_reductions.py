@@ -201,18 +201,14 @@ def vector_sums(p: Tensor, payload: list[Tensor], tables: list[Tensor]) -> Tenso
     return _call("lorc_vector_sums", p.float().contiguous(), payload, tables, out)
 
 
-@functools.lru_cache(maxsize=None)
-def _pair_tensor(pairs: tuple[int, ...]) -> Tensor:
-    return torch.tensor(pairs, dtype=torch.int32)
-
-
 @custom_op("lorc::vector_turned_scores", mutates_args=())
-def vector_turned_scores(ab: Tensor, cos: Tensor, sin: Tensor, pairs: list[int],
+def vector_turned_scores(ab: Tensor, cos: Tensor, sin: Tensor, pairs: Tensor,
                          payload: list[Tensor], tables: list[Tensor]) -> Tensor:
     """Scores of keys cached before RoPE in a RoPE-commuting basis, read from their codes:
     ``ab (b, m, 2r)`` each query row's ``(α, β)`` (``compile.latent_attention.
     per_frequency_scores``), ``cos``/``sin`` ``(b, blocks·BLOCK, P)`` each slot's angle table
-    (one value a rotary pair), ``pairs`` each latent channel's pair: ``(b, m, blocks·BLOCK)``,
+    (one value a rotary pair), ``pairs (r,)`` each latent channel's pair, int32 (a tensor: a
+    list of ints costs the dispatcher ~55 µs a call to convert): ``(b, m, blocks·BLOCK)``,
     unscaled. C++ only (x86-64 CPUs, sub-vectors of ``DECODED_DIMS``: ``turned_applies``)."""
     if not turned_applies(ab.device, tables):
         raise RuntimeError("lorc::vector_turned_scores runs on x86-64 CPUs where the C++ kernel "
@@ -222,7 +218,10 @@ def vector_turned_scores(ab: Tensor, cos: Tensor, sin: Tensor, pairs: list[int],
     blocks = _blocks(payload, tables)
     payload, tables = _operands(payload, tables)
     ab, cos, sin = (x.float().contiguous() for x in (ab, cos, sin))
-    pair = _pair_tensor(tuple(pairs))
+    if pairs.shape != (width,):
+        raise ValueError(f"lorc::vector_turned_scores takes one rotary pair a latent channel: "
+                         f"pairs of shape ({width},), not {tuple(pairs.shape)}")
+    pair = pairs.to(torch.int32).contiguous()
     out = ab.new_empty(b, m, blocks * BLOCK)
     _library().lorc_vector_turned_scores(
         ab.data_ptr(), cos.data_ptr(), sin.data_ptr(), pair.data_ptr(), cos.shape[-1],

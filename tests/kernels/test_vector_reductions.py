@@ -91,7 +91,7 @@ def test_turned_scores_are_those_of_the_decoded_latent_turned(layout, batch, blo
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = vector_reductions.vector_turned_scores(ab, cos, sin, pair.tolist(), payload, tables)
+        got = vector_reductions.vector_turned_scores(ab, cos, sin, pair, payload, tables)
     finally:
         torch.set_num_threads(previous)
     turned = torch.cat((latent * cos.double()[..., pair], latent * sin.double()[..., pair]), -1)
