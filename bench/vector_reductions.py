@@ -13,8 +13,9 @@ Each figure is the median of 20 calls after one, summed over the plan's layers.
 
 ``--against OLD.cpp`` times the C++ kernels of this checkout against another version of
 ``lorc_fx/kernels/vector_reductions.cpp`` (``git show REV:lorc_fx/kernels/vector_reductions.cpp
-> OLD.cpp``) in one process: the three kernels a compiled decode step calls (the keys' scores,
-the values' sums, a side decoded), each over every layer at once, the two builds alternated
+> OLD.cpp``) in one process: the kernels a compiled decode step calls (the keys' scores by
+table, their scores turned per rotary pair under ``objective="speed"``, the values' sums, a side
+decoded), each over every layer at once, the two builds alternated
 call by call over ``--rounds`` rounds; their outputs must agree (scores and sums to float32
 rounding, decodes bit for bit). Query rows: ``--rows`` (9: one token of the default model's
 query heads; 45: five draft tokens).
@@ -38,6 +39,8 @@ from lorc_fx.codes.integer import pack_bits
 from lorc_fx.codes.vector import BLOCK
 from lorc_fx.kernels import vector_reductions  # registers the ops; its kernels for --against
 from lorc_fx.kernels.native import build
+
+ROTARY_PAIRS = 32  # a 64-wide head's
 
 
 def median_ms(fn, calls: int = 20) -> float:
@@ -100,7 +103,14 @@ def kernel_calls(lib, layers, tokens: int, rows: int, gen) -> dict:
     p = torch.softmax(torch.randn(1, rows, tokens, generator=gen), -1)
     # work large enough for any version's kernels: a scores' table padded to lines of 16
     work = torch.empty(-(-rows // 16) * 16 * max(s.entries for s in keys + values) + 16)
+    # keys before RoPE in a RoPE-commuting basis: each channel on one of a 64-wide head's 32
+    # rotary pairs (drawn: the time does not depend on which), each slot's angles
+    pairs = [torch.randint(0, ROTARY_PAIRS, (side.width,), generator=gen, dtype=torch.int32)
+             for side in keys]
+    ab = [torch.randn(1, rows, 2 * side.width, generator=gen) for side in keys]
+    cos, sin = (torch.rand(1, tokens, ROTARY_PAIRS, generator=gen) for _ in "cs")
     outs = {"scores": [torch.empty(1, rows, tokens) for _ in keys],
+            "turned": [torch.empty(1, rows, tokens) for _ in keys],
             "sums": [torch.empty(1, rows, side.width) for side in values],
             "decode": [torch.empty(1, tokens, side.width) for side in keys]}
     blocks = tokens // BLOCK
@@ -109,6 +119,12 @@ def kernel_calls(lib, layers, tokens: int, rows: int, gen) -> dict:
         for side, qs, out in zip(keys, q, outs["scores"]):
             lib.lorc_vector_scores(qs.data_ptr(), *side.args, 1, rows, side.width, blocks,
                                    out.data_ptr(), work.data_ptr(), 1)
+
+    def turned():
+        for side, a, pair, out in zip(keys, ab, pairs, outs["turned"]):
+            lib.lorc_vector_turned_scores(a.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                          pair.data_ptr(), ROTARY_PAIRS, *side.args, 1, rows,
+                                          side.width, blocks, out.data_ptr(), 1)
 
     def sums():
         for side, out in zip(values, outs["sums"]):
@@ -119,7 +135,8 @@ def kernel_calls(lib, layers, tokens: int, rows: int, gen) -> dict:
         for side, out in zip(keys, outs["decode"]):
             lib.lorc_vector_decode(*side.args, 1, side.width, blocks, out.data_ptr(), 1)
 
-    return {"scores": (scores, outs["scores"]), "sums": (sums, outs["sums"]),
+    return {"scores": (scores, outs["scores"]), "turned": (turned, outs["turned"]),
+            "sums": (sums, outs["sums"]),
             "decode": (decode, outs["decode"])}
 
 
@@ -132,7 +149,7 @@ def against(args, layers) -> None:
     for tokens in args.contexts:
         calls = {n: kernel_calls(lib, layers, tokens, args.rows, torch.Generator().manual_seed(0))
                  for n, lib in libs.items()}
-        for kernel in ("scores", "sums", "decode"):
+        for kernel in ("scores", "turned", "sums", "decode"):
             for name in libs:
                 calls[name][kernel][0]()
             mine, theirs = calls["this"][kernel][1], calls["against"][kernel][1]
