@@ -153,10 +153,14 @@ def against(args, layers) -> None:
             for name in libs:
                 calls[name][kernel][0]()
             mine, theirs = calls["this"][kernel][1], calls["against"][kernel][1]
-            agree = all(torch.equal(a, b) if kernel == "decode" else
-                        torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(mine, theirs))
+            # sums in another order: float32 rounding of the largest terms, not of the result
+            worst = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+                        for a, b in zip(mine, theirs))
+            agree = (all(torch.equal(a, b) for a, b in zip(mine, theirs)) if kernel == "decode"
+                     else worst < 1e-5)
             if not agree:
-                raise SystemExit(f"{kernel} at {tokens} tokens: the two builds disagree")
+                raise SystemExit(f"{kernel} at {tokens} tokens: the two builds disagree "
+                                 f"(largest difference {worst:.2e} of the largest value)")
             ms = {name: [] for name in libs}
             for round_ in range(args.rounds):
                 for name in list(libs)[round_ % 2:] + list(libs)[:round_ % 2]:

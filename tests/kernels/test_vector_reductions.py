@@ -76,7 +76,8 @@ def test_the_decode_copies_every_slots_reconstructions(layout, batch, blocks, th
 
 @native
 @settings(max_examples=30, deadline=None)
-@given(layout=runs, batch=st.integers(1, 2), blocks=st.integers(1, 9), rows=st.sampled_from([1, 3, 9]),
+@given(layout=runs, batch=st.integers(1, 2), blocks=st.integers(1, 9),
+       rows=st.sampled_from([1, 3, 9, 13, 40]),
        pairs=st.integers(1, 40), threads=st.sampled_from([1, 2, 5]), seed=st.integers(0, 99))
 def test_turned_scores_are_those_of_the_decoded_latent_turned(layout, batch, blocks, rows, pairs,
                                                               threads, seed):
