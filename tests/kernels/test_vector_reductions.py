@@ -100,6 +100,19 @@ def test_turned_scores_are_those_of_the_decoded_latent_turned(layout, batch, blo
 
 
 @native
+def test_turned_scores_refuse_pairs_not_one_a_channel():
+    """A pairs tensor of another length than the latent's width is refused, naming the width
+    (the kernel would read past it)."""
+    payload, tables, latent = side(torch.Generator().manual_seed(0), 1, 2, [(2, 4, 3)])
+    r = latent.shape[-1]
+    cos = sin = torch.zeros(1, 2 * BLOCK, 4)
+    with pytest.raises(ValueError, match=f"pairs of shape \\({r},\\)"):
+        vector_reductions.vector_turned_scores(torch.zeros(1, 1, 2 * r), cos, sin,
+                                               torch.zeros(r - 1, dtype=torch.int32),
+                                               payload, tables)
+
+
+@native
 @pytest.mark.parametrize("style", ["half", "interleaved"])
 def test_turned_scores_of_a_side_read_its_window_and_sink_as_floats(style):
     """``_VectorPositions.turned_scores``: the kernel's slots, then the window's rows and each
