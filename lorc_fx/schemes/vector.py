@@ -99,11 +99,11 @@ class Vector(Scheme):
 
     def limits(self) -> str:
         """Compiled decode reads the codes but is slower than the full cache's (measured in
-        issue #37, bench/results/long_context_vector-cpu.md, run 10)."""
+        issue #37, bench/results/long_context_vector-cpu.md, runs 10-14)."""
         return ("compiled decode reads the codes (keys cached after RoPE) or rebuilds "
                 "every key before RoPE each step (the default), and is slower than the full "
                 "cache's (the default model after 4096 tokens, one CPU thread: 0.34-0.46x its "
-                "speed at 2.56 bits; 0.61-0.70x with objective='speed', which scores keys from "
+                "speed at 2.56 bits; 0.59-0.70x with objective='speed', which scores keys from "
                 "their codes and costs some quality; 0.76-0.78x with rope='commute', which "
                 "costs more); Inductor takes 2-8 minutes to compile it")
 
