@@ -352,11 +352,15 @@ def check_fits(plan: Plan, model: nn.Module, blocks: list[AttentionBlock],
     for l in plan.layers:
         b = supported[l.layer]
         found = dict(num_heads=b.num_heads, num_kv_heads=b.num_kv_heads, head_dim=b.head_dim,
-                     rope=b.rope_k, k_full=b.k.width, v_full=b.v.width,
-                     v_compressible=b.v_path == "none")
-        if b.k_path not in ("none", "rope", "norm"):  # a data-aware basis covers normed keys
-            found["k_compressible"] = False
+                     rope=b.rope_k, k_full=b.k.width, v_full=b.v.width)
         differ = {k: (getattr(l, k), v) for k, v in found.items() if getattr(l, k) != v}
+        # a side the plan keeps raw fits (a sliding-window layer's, in a low-rank or vector
+        # plan); one it compresses must be compressible here (a data-aware basis covers
+        # normed keys)
+        if l.k_compressible and b.k_path not in ("none", "rope", "norm"):
+            differ["k_compressible"] = (True, False)
+        if l.v_compressible and b.v_path != "none":
+            differ["v_compressible"] = (True, False)
         if differ:
             detail = ", ".join(f"{k} {p} in the plan, {m} in the model"
                                for k, (p, m) in differ.items())

@@ -631,12 +631,42 @@ def latent_code(options: PlanOptions, dtype_bits: int, compressed: bool, rank: i
                                  scale_dtype(dtype_bits))
 
 
-def sliding_note(kind: str, window: int, coded: bool) -> str:
-    """What a sliding-window layer of ``window`` tokens stores, for its plan's note."""
+def sliding_note(kind: str, window: int, code: str | None) -> str:
+    """What a sliding-window layer of ``window`` tokens stores, for its plan's note: ``code``
+    says how its keys and values are coded; None, kept full."""
     held = f"{kind}, a window of {window} tokens: holds its last {window - 1}"
-    return (f"{held}, coded as the other layers (codes dropped in whole groups as they "
-            "leave it)" if coded
-            else f"{held} (kept full: only plain codes store a sliding layer)")
+    return (f"{held}, {code} (codes dropped in whole groups as they leave it)" if code
+            else f"{held} (kept full: low rank does not store a sliding layer)")
+
+
+def plain_codes(layer: LayerInput, bits: int, group: int, dtype_bits: int) -> tuple[Code, Code]:
+    """How plain KV quantization stores ``layer``'s keys and values at ``bits``: keys per
+    channel over groups of ``group`` tokens, values per token over groups of channels within
+    each head (KIVI's layout), each group's scale and zero point in the model's dtype."""
+    scales = scale_dtype(dtype_bits)
+    return (QuantSpec.per_channel(bits, group, scales),
+            QuantSpec.per_token(bits, value_token_group(layer.v_head_dim or layer.head_dim,
+                                                        group), scales))
+
+
+def sliding_coded(plan: Plan, layers: list[LayerInput], bits: int, group: int) -> Plan:
+    """``plan`` with the keys and values of its sliding-window (or chunked) layers, which
+    only plain codes store (their ring buffers hold per-group codes), stored as plain
+    ``bits``-bit codes in groups of ``group`` where they were kept full: a scheme whose own
+    codes cannot store them so leaves the rest of its budget to the other layers."""
+    window = {l.layer: l for l in layers if l.sliding_window and not l.kept_as_built}
+    coded = []
+    for l in plan.layers:
+        held = window.get(l.layer)
+        if held is None or l.skipped or l.k_compressible or l.v_compressible \
+                or l.k_code is not None or l.v_code is not None:
+            coded.append(l)
+            continue
+        k_code, v_code = plain_codes(held, bits, group, plan.dtype_bits)
+        coded.append(replace(l, k_code=k_code, v_code=v_code, note=sliding_note(
+            held.sliding_kind, held.sliding_window, f"its keys and values as {bits}-bit plain "
+            f"codes, G{group}")))
+    return replace(plan, layers=coded)
 
 
 def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
@@ -655,23 +685,22 @@ def plain_quantized_plan(layers: list[LayerInput], options: PlanOptions,
     if dtype_bits is None:
         dtype_bits = 8 * layers[0].k_weight.element_size()
     options = replace(options, rope="commute")
-    bits, group, scales = options.latent_bits, options.latent_group, scale_dtype(dtype_bits)
+    bits, group = options.latent_bits, options.latent_group
     kappa_k, kappa_v = zip(*(l.kappa for l in layers))
     plans = []
     for l, kk, kv, lk in zip(layers, kappa_k, kappa_v, cumulative_log_kappa(kappa_k, kappa_v)):
         k_eye = torch.eye(l.k_width, dtype=torch.float64)
         v_eye = torch.eye(l.v_width, dtype=torch.float64)
         kept = not l.kept_as_built
-        sliding = sliding_note(l.sliding_kind, l.sliding_window, True) if l.sliding_window else ""
+        sliding = (sliding_note(l.sliding_kind, l.sliding_window, "coded as the other layers")
+                   if l.sliding_window else "")
         note = (l.note if l.kept_as_built or not l.from_graph and not sliding
                 else f"{sliding}; {l.note}" if not l.from_graph else sliding)
         if l.own_layer:  # every state of the layer coded alike
             k_code = v_code = RowSpec(bits, value_token_group(l.head_dim, group))
             note = own_layer_note(l.own_layer, k_code, l.note)
         elif kept:
-            k_code = QuantSpec.per_channel(bits, group, scales)
-            v_code = QuantSpec.per_token(bits, value_token_group(l.v_head_dim or l.head_dim,
-                                                                 group), scales)
+            k_code, v_code = plain_codes(l, bits, group, dtype_bits)
         else:
             k_code = v_code = None
         plans.append(LayerPlan(

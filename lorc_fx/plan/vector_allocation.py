@@ -28,7 +28,7 @@ import torch
 
 from .bit_allocation import allocate
 from .options import PlanOptions
-from .planner import SINK_SEQUENCE, Plan
+from .planner import SINK_SEQUENCE, Plan, code_bits
 from .schedules import UnreachableFraction
 
 Errors = dict[float, torch.Tensor]  # width -> (r,) relative squared coding error per channel
@@ -49,8 +49,9 @@ def allocate_tuples(energies: list[torch.Tensor], rho: list[Errors], budget: flo
 
 def code_budget(full: Plan, options: PlanOptions) -> float:
     """Bits a token the codes may spend at ``options``' budget: the budget less the RoPE
-    angle log, the sides not coded (at a stored float's bits) and every coded channel's sink
-    at ``SINK_SEQUENCE`` tokens a sequence."""
+    angle log, the sides not coded (as their plan stores them: a stored float's bits, or a
+    sliding layer's plain codes) and every coded channel's sink at ``SINK_SEQUENCE`` tokens a
+    sequence."""
     budget, float_bits = options.budget.bits(full.dtype_bits)
     values, _ = full.cache_elements_per_token()
     fixed = full.rotary_log * float_bits
@@ -58,12 +59,16 @@ def code_budget(full: Plan, options: PlanOptions) -> float:
     for l in full.layers:
         k_coded = not l.skipped and l.k_compressible
         v_coded = not l.skipped and l.v_compressible
-        fixed += (0 if k_coded else l.k_full) * float_bits + (0 if v_coded else l.v_full) * float_bits
+        fixed += (0 if k_coded else code_bits(l.k_code, l.k_full, float_bits)) \
+            + (0 if v_coded else code_bits(l.v_code, l.v_full, float_bits))
         coded += (l.k_full if k_coded else 0) + (l.v_full if v_coded else 0)
-    left = budget * values - fixed - coded * float_bits / SINK_SEQUENCE
+    held = fixed + coded * float_bits / SINK_SEQUENCE  # whatever the codes spend
+    left = budget * values - held
     if left <= 0:
-        raise UnreachableFraction("vector codes: the sides kept in full precision, the RoPE "
-                                  "angle log and the sinks alone fill the budget", 0.0)
+        lowest = options.budget.of_bits(held / values, full.dtype_bits)
+        raise UnreachableFraction(
+            f"vector codes: the sides they do not code, the RoPE angle log and the sinks alone "
+            f"hold {lowest:.3f} ({options.budget.unit})", lowest)
     return left
 
 

@@ -5,8 +5,10 @@ fitted by k-means on calibration latents (``search.codebooks``; no per-token sca
 row's first token kept as it came (the attention sink, ``cache.stores.vector``).
 
 Planned only where no plain quantization fits the budget (below 4.5 bits per value on the
-default model): its first fit takes minutes. A channel's relative error is weighed by what
-the loss minds it (``plan.sensitivity``: diagonal Fisher times the channel's power, where a
+default model): its first fit takes minutes. Sliding-window layers, whose rings the vector
+stores do not hold, store 4-bit plain codes (``SLIDING_BITS``), the rest of the budget left
+to the other layers' vector codes. A channel's relative error is weighed by what the loss
+minds it (``plan.sensitivity``: diagonal Fisher times the channel's power, where a
 side's latent is linear in its projection), else by the spectra's energies; which share of
 the bits the keys get (``KEY_SHARES``) is chosen by the held-out calibration loss. The shares
 bracket the best found under either weighting (0.35-0.45 under the energies, 0.40-0.45 under
@@ -35,9 +37,9 @@ from torch import nn
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.codes.vector import VectorBook, select
 from lorc_fx.plan.calibration import calibration_tokenizer, calibration_windows
-from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.options import LATENT_GROUPS, PlanOptions
 from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
-                                  value_energies)
+                                  sliding_coded, value_energies)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
 from lorc_fx.plan.sensitivity import ProjectionMoments, Side, calibration_with_gradients
@@ -53,6 +55,10 @@ KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
 # what favouring the layers retrieval leans on may cost in held-out loss (nats): ×16 cost
 # 0.010 at 2.56 bits and 0.035 at 1.92, where the plan decoded news at ×1.108 (docs/results.md)
 RETRIEVAL_COST = 0.02
+# sliding-window layers, whose ring buffers vector codes do not store: plain codes at the
+# narrowest width and the widest group the plain scheme plans (4.5 bits per value where a
+# head has 64 channels or more)
+SLIDING_BITS, SLIDING_GROUP = 4, max(LATENT_GROUPS)
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +121,8 @@ class Vector(Scheme):
 
     def describe(self, plan: Plan) -> list[str]:
         channels, table_bytes = _channels_per_width(plan)
-        full = sum(l.k_full + l.v_full for l in plan.layers if not l.skipped)
+        full = sum(l.k_full * l.k_compressible + l.v_full * l.v_compressible
+                   for l in plan.layers if not l.skipped)  # the channels codes could keep
         widths = ", ".join(f"{channels[b]} at {b:g}" for b in sorted(channels, reverse=True))
         return rank_table(plan) + [
             f"vector codes: each latent channel at the bits a token its energy and measured "
@@ -167,6 +174,7 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
     spectra's energies), ``options.retrieval_weight`` times more in the ``favoured`` layers
     (layer -> why, which their plans' notes say)."""
     favoured = favoured or {}
+    full = sliding_coded(full, inputs, SLIDING_BITS, SLIDING_GROUP)
     sides = coded_sides(full)
     keys = [s for s in sides if s[1] == "k"]
     values = [s for s in sides if s[1] == "v"]

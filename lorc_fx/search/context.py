@@ -158,7 +158,7 @@ def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: i
             kind, window = sliding[layer.layer]
             layer.compress_k = layer.compress_v = False
             layer.sliding_window, layer.sliding_kind = window, kind
-            layer.note = sliding_note(kind, window, False)
+            layer.note = sliding_note(kind, window, None)
     return inputs
 
 

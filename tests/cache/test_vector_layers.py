@@ -3,22 +3,25 @@
 (books fitted on its latents of random tokens, a few Lloyd iterations)."""
 import sys
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 
 from lorc_fx.analysis import analyze
-from lorc_fx.analysis.records import named_params
 from lorc_fx.api import compress, load_plan, save_plan
 from lorc_fx.cache import latent_cache
+from lorc_fx.cache.layers import LatentStaticSlidingLayer
 from lorc_fx.cache.stores.vector import VectorStore
 from lorc_fx.cache.stores.vector_static import VectorStaticStore
+from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorSpec, decode, encode
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.options import PlanOptions
-from lorc_fx.plan.planner import layer_inputs
+from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.schemes.vector import vector_plan
 from lorc_fx.search.codebooks import calibration_latents, fit_books
+from lorc_fx.search.context import model_layer_inputs
 from helpers.families import VOCAB, build, config_for
 from helpers.pass_helpers import compiled, generate, prompt
 
@@ -34,14 +37,19 @@ def model():
 @pytest.fixture(scope="module", params=["reconstruct"])
 def plan(model, request):
     mode = dict(objective="speed") if request.param == "speed" else dict(rope=request.param)
+    return _vector_plan(model, BUDGET, **mode)
+
+
+def _vector_plan(model, budget: float, **mode):
+    """The vector plan of ``model`` at ``budget`` bits per value, as the scheme makes it
+    (cheaper: weight bases, a few Lloyd iterations)."""
     full = compress(model, 1.0, schedule="uniform", basis="weight", **mode).plan
     blocks = analyze(model)
     windows = torch.randint(3, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
     samples = calibration_latents(model, blocks, full, windows)
     books, errors = fit_books(samples, WIDTHS, iters=3)
-    options = PlanOptions.of(full.options, bits_per_value=BUDGET)
-    inputs = layer_inputs(named_params(model), blocks)
-    return vector_plan(full, inputs, options, books, errors, 0.5)
+    options = PlanOptions.of(full.options, bits_per_value=budget)
+    return vector_plan(full, model_layer_inputs(model, blocks, 1), options, books, errors, 0.5)
 
 
 def forward(model, tokens, cache):
@@ -306,3 +314,34 @@ def test_a_left_padded_row_keeps_its_first_token_as_it_came(model, plan):
         assert padded.k_store.sink_at.tolist() == [0, 2] and single.k_store.coded >= 8
         for x, y in zip(padded.latents(), single.latents()):  # the prompt and first new token
             torch.testing.assert_close(x[1, :, 2:7], y[0, :, :5], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.inductor
+def test_a_sliding_layer_beside_vector_codes_stores_plain_codes(tmp_path):
+    """Vector codes do not store a sliding-window layer's ring: a vector plan stores its keys
+    and values as 4-bit plain codes and counts them so (kept full, the layer alone would
+    spend more than the budget); eager and compiled (Inductor, a static cache: the ring
+    beside the codes' store) decode the same tokens; the plan saved and loaded again keeps
+    the layer's codes."""
+    model = build(config_for("qwen2_sliding", heads=4, kv_heads=2, layers=2))  # layer 1 slides
+    budget = 4.5
+    plan = _vector_plan(model, budget)
+    whole, sliding = plan.layers
+    assert isinstance(whole.k_code, VectorBook) and isinstance(whole.v_code, VectorBook)
+    assert isinstance(sliding.k_code, QuantSpec) and sliding.k_code.bits == 4
+    assert isinstance(sliding.v_code, QuantSpec) and sliding.v_code.bits == 4
+    assert plan.bits_per_value <= budget + 1e-9  # the books' widest codes: 4 bits
+    assert replace(plan, layers=[whole, replace(sliding, k_code=None, v_code=None)]
+                   ).bits_per_value > budget
+    with pytest.raises(UnreachableFraction, match="alone hold") as refused:
+        _vector_plan(model, 2.0)  # below what the sliding layer's codes and the sinks hold
+    assert 2.0 < refused.value.lowest < plan.bits_per_value
+    compress(model, plan=plan)
+    ids, mask = prompt(length=6)
+    eager = generate(model, ids, mask, "static", new_tokens=12)
+    assert isinstance(eager.past_key_values.layers[1], LatentStaticSlidingLayer)
+    with compiled(model, lorc_backend):
+        got = generate(model, ids, mask, "static", new_tokens=12)
+    assert torch.equal(got.sequences, eager.sequences)
+    loaded = load_plan(save_plan(plan, tmp_path / "sliding.safetensors"), model)
+    assert (loaded.layers[1].k_code, loaded.layers[1].v_code) == (sliding.k_code, sliding.v_code)
