@@ -28,7 +28,7 @@ def project_math(states: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 def reconstruct_math(latent: torch.Tensor, basis: torch.Tensor, num_heads: int) -> torch.Tensor:
     b, _, n, _ = latent.shape
     full = latent.squeeze(1) @ basis
-    return full.view(b, n, num_heads, -1).transpose(1, 2)
+    return full.view(b, n, num_heads, basis.shape[1] // num_heads).transpose(1, 2)  # n may be 0
 
 
 @torch.library.custom_op("lorc::project", mutates_args=())

@@ -461,8 +461,9 @@ class LatentStaticSlidingLayer(_PrefillAsComputed, _FixedAddresses, StaticSlidin
     ``W`` slots in order (positions past the length are masked), as stored; a single token
     into a full window, the last ``W`` tokens in order, as stored; more tokens than fit
     (a prefill or continuation past the window), the window's last tokens as stored followed
-    by the new tokens as they came. A write longer than the window writes only what it will
-    keep (from a whole group on). Keys cached before RoPE are not supported here."""
+    by the new tokens as they came (at most ``PREFILL_TOKENS`` of them: as stored, as the dynamic
+    layer returns them). A prefill longer than the window writes only what it will keep (from
+    a whole group on). Keys cached before RoPE are not supported here."""
 
     def __init__(self, max_cache_len: int, sliding_window: int, bases: LatentCodec,
                  k_code: Code = None, v_code: Code = None):
@@ -501,14 +502,19 @@ class LatentStaticSlidingLayer(_PrefillAsComputed, _FixedAddresses, StaticSlidin
         index = (torch.arange(count, device=self.device) + first) % self.ring
         return tuple(side.index_select(2, index) for side in sides)
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k``, ``v`` at ``position`` on, at most G tokens at a time."""
+    def _write(self, k: torch.Tensor, v: torch.Tensor, read_back: bool = False):
+        """Write ``k``, ``v`` at ``position`` on, at most G tokens at a time; with
+        ``read_back``, return them as stored (each piece read while the ring still holds it)."""
+        stored = []
         for at in range(0, k.shape[-2], self.group):
             chunk_k, chunk_v = k[..., at:at + self.group, :], v[..., at:at + self.group, :]
             positions = torch.arange(chunk_k.shape[-2], device=self.device) + self.position
             self.k_store.write(self.keys, chunk_k, positions % self.ring, self.position)
             self.v_store.write(self.values, chunk_v, positions % self.ring, self.position)
+            if read_back:
+                stored.append(self._in_order(self._ring(), self.position, chunk_k.shape[-2]))
             self.position.add_(chunk_k.shape[-2])
+        return stored
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -529,8 +535,12 @@ class LatentStaticSlidingLayer(_PrefillAsComputed, _FixedAddresses, StaticSlidin
                 v = v.slice_scatter(value_states, dim=2, start=current, end=current + tokens)
             return k, v
         # more than the window holds: its last tokens as stored, then the new ones as they came
+        # (a prefill) or as stored (a few tokens: a continuation, as the dynamic layer)
         kept = min(current, window - 1)
         old = self._in_order(self._ring(), self.position - kept, kept)
+        if not self._as_computed(tokens):
+            new = self._write(k, v, read_back=True)
+            return self.bases.expand(*(torch.cat(side, dim=-2) for side in zip(old, *new)))
         skip = max(0, (current + tokens - window) // self.group * self.group - current)
         if skip:  # tokens that leave the window at once: written from a whole group on
             self.position.add_(skip)

@@ -99,8 +99,9 @@ class LayerInput:
     shards: int = 1  # bases block-diagonal over this many equal groups of KV heads
     # transformers builds its own cache layer here (linear attention, ...): it stays as built
     kept_as_built: bool = False
-    # a sliding-window (or chunked) layer of this many tokens: only plain codes store it
-    # (``cache.LatentSlidingLayer``), other schemes keep its keys and values raw
+    # a sliding-window (or chunked) layer of this many tokens (``cache.LatentSlidingLayer``):
+    # plain codes or latents store it, not vector codes (a ring holds no sink nor blocks),
+    # nor keys before RoPE (a window's rebuilt keys would need its own RoPE angle log)
     sliding_window: int | None = None
     sliding_kind: str = ""  # its layer type (``sliding_attention``, ``chunked_attention``)
     # without weights (a declined layer): the widths its cache holds, and the value head dim
@@ -631,12 +632,18 @@ def latent_code(options: PlanOptions, dtype_bits: int, compressed: bool, rank: i
                                  scale_dtype(dtype_bits))
 
 
-def sliding_note(kind: str, window: int, code: str | None) -> str:
-    """What a sliding-window layer of ``window`` tokens stores, for its plan's note: ``code``
-    says how its keys and values are coded; None, kept full."""
+def sliding_note(kind: str, window: int, code: str | None = None) -> str:
+    """What a sliding-window layer of ``window`` tokens holds, for its plan's note; ``code``
+    says how its keys and values are coded where the note must say it."""
     held = f"{kind}, a window of {window} tokens: holds its last {window - 1}"
-    return (f"{held}, {code} (codes dropped in whole groups as they leave it)" if code
-            else f"{held} (kept full: low rank does not store a sliding layer)")
+    return f"{held}, {code} (codes dropped in whole groups as they leave it)" if code else held
+
+
+def without_sliding_latents(inputs: list[LayerInput]) -> list[LayerInput]:
+    """``inputs`` with the sides of sliding-window layers not compressible: for a scheme whose
+    codes a ring buffer cannot hold (vector codes), which :func:`sliding_coded` then codes."""
+    return [replace(l, compress_k=False, compress_v=False, keys_after_rope=False)
+            if l.sliding_window and not l.kept_as_built else l for l in inputs]
 
 
 def plain_codes(layer: LayerInput, bits: int, group: int, dtype_bits: int) -> tuple[Code, Code]:

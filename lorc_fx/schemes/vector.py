@@ -39,7 +39,7 @@ from lorc_fx.codes.vector import VectorBook, select
 from lorc_fx.plan.calibration import calibration_tokenizer, calibration_windows
 from lorc_fx.plan.options import LATENT_GROUPS, PlanOptions
 from lorc_fx.plan.planner import (LayerInput, LayerPlan, Plan, key_energies, plan_layers,
-                                  sliding_coded, value_energies)
+                                  sliding_coded, value_energies, without_sliding_latents)
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
 from lorc_fx.plan.sensitivity import ProjectionMoments, Side, calibration_with_gradients
@@ -218,6 +218,7 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     (:func:`retrieval_favoured`), and its loss (``projections``: what a first calibration
     measured for the sensitivities,
     :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
+    inputs = without_sliding_latents(inputs)
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
     calibration = options.calibration

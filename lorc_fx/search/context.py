@@ -128,10 +128,16 @@ class SearchContext:
                     layer.input_gram = metric.input_gram
                     layer.k_spectrum, layer.v_spectrum = metric.k_spectrum, metric.v_spectrum
                     if metric.k_of_cached_keys and not layer.compress_k \
-                            and not layer.kept_as_built and layer.sliding_window is None \
-                            and block_of[layer.layer].k_path == "norm":
+                            and not layer.kept_as_built and block_of[layer.layer].k_path == "norm":
                         layer.compress_k, layer.keys_after_rope = True, True
-                        layer.note = "keys behind a norm: basis of the keys the cache receives"
+                        why = "keys behind a norm: basis of the keys the cache receives"
+                        layer.note = f"{layer.note}; {why}" if layer.sliding_window else why
+                if layer.sliding_window and layer.compress_k and rope == "reconstruct" \
+                        and layer.rope.style != "none" and not layer.keys_after_rope:
+                    layer.compress_k = False  # no angle log in a ring: keys kept as they come
+                    layer.note += ("; keys as they come, after RoPE: rebuilding a window's keys "
+                                   "from latents before RoPE would need the angles of its "
+                                   "own positions")
             self._prepared[rope] = basis, inputs, note
         basis, inputs, note = self._prepared[rope]
         return replace(self.options, rope=rope, basis=basis), inputs, note
@@ -141,7 +147,8 @@ def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: i
                        ) -> list[LayerInput]:
     """:func:`~lorc_fx.plan.planner.layer_inputs` of ``model``, with the layers transformers
     builds its own cache layer for marked (they stay full, as built), and its sliding-window
-    layers (raw keys and values except in a plain plan, which codes them). A layer whose
+    layers with their windows (compressible as full layers are, but see
+    ``LayerInput.sliding_window``). A layer whose
     cache layer holds nothing (``dummy``: Gemma-3n's last layers read an earlier layer's keys
     and values) is not planned: it costs no bytes."""
     config = getattr(model, "config", None)
@@ -156,9 +163,8 @@ def model_layer_inputs(model: nn.Module, blocks: list[AttentionBlock], shards: i
                           "layer here")
         elif layer.layer in sliding:
             kind, window = sliding[layer.layer]
-            layer.compress_k = layer.compress_v = False
             layer.sliding_window, layer.sliding_kind = window, kind
-            layer.note = sliding_note(kind, window, None)
+            layer.note = sliding_note(kind, window)
     return inputs
 
 

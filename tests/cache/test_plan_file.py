@@ -162,11 +162,12 @@ def test_a_plan_whose_layers_are_not_the_models_is_refused(forbid_planning):
 
 
 def test_a_plan_keeping_a_sliding_layer_raw_installs_from_its_file(tmp_path, forbid_planning):
-    """A low-rank plan keeps a sliding-window layer's keys and values raw, which the model
-    could compress: installed from its file it fits and gives the same logits."""
+    """A low-rank plan caching keys before RoPE keeps a sliding-window layer's keys raw,
+    which the model could compress: installed from its file it fits and gives the same
+    logits."""
     model = build(config_for("qwen2_sliding", layers=2))  # layer 1 slides
-    report = lorc_fx.compress(model, 0.75, **FAST)
-    assert not report.plan.layers[1].v_compressible
+    report = lorc_fx.compress(model, 0.75, **{**FAST, "rope": "reconstruct"})
+    assert not report.plan.layers[1].k_compressible and report.plan.layers[1].v_compressible
     expected = latent_logits(model)
     path = report.save(tmp_path / "sliding.safetensors")
     forbid_planning()

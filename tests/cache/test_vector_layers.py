@@ -18,6 +18,7 @@ from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorSpec, decode, encode
 from lorc_fx.compile.backend import lorc_backend
 from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.planner import plan_layers, without_sliding_latents
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.schemes.vector import vector_plan
 from lorc_fx.search.codebooks import calibration_latents, fit_books
@@ -43,13 +44,15 @@ def plan(model, request):
 def _vector_plan(model, budget: float, **mode):
     """The vector plan of ``model`` at ``budget`` bits per value, as the scheme makes it
     (cheaper: weight bases, a few Lloyd iterations)."""
-    full = compress(model, 1.0, schedule="uniform", basis="weight", **mode).plan
-    blocks = analyze(model)
+    done = compress(model, 1.0, schedule="uniform", basis="weight", **mode).plan
+    blocks = analyze(model)  # as the scheme plans: sliding layers take plain codes, no latents
+    inputs = without_sliding_latents(model_layer_inputs(model, blocks, 1))
+    full = replace(plan_layers(inputs, done.options), fingerprint=done.fingerprint)
     windows = torch.randint(3, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
     samples = calibration_latents(model, blocks, full, windows)
     books, errors = fit_books(samples, WIDTHS, iters=3)
     options = PlanOptions.of(full.options, bits_per_value=budget)
-    return vector_plan(full, model_layer_inputs(model, blocks, 1), options, books, errors, 0.5)
+    return vector_plan(full, inputs, options, books, errors, 0.5)
 
 
 def forward(model, tokens, cache):

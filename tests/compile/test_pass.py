@@ -91,9 +91,10 @@ def test_latent_cache_keeps_beam_search_and_cropping():
 @pytest.mark.parametrize("family, layers", [("gemma3", 2), ("mistral", 2)])
 @pytest.mark.parametrize("rope", ["commute", "reconstruct"])
 def test_report_is_what_the_generated_cache_holds(family, layers, rope):
-    """Sliding-window layers stay transformers' own (counted full, the budget spent on the
-    others); the report's bytes per token equal those measured from generate's cache (a
-    context within the window, where a sliding layer holds every token)."""
+    """Sliding-window layers hold latents as full layers do, but keys cached before RoPE
+    (``reconstruct``), which they keep as they come; the report's bytes per token equal those
+    measured from generate's cache (a context within the window, where a sliding layer holds
+    every token)."""
     config = config_for(family, layers=layers)
     if family == "mistral":
         config.sliding_window, config.layer_types = 4, ["sliding_attention", "full_attention"]
@@ -105,7 +106,9 @@ def test_report_is_what_the_generated_cache_holds(family, layers, rope):
     cache = out.past_key_values
     assert isinstance(cache.layers[0], DynamicSlidingWindowLayer)
     assert "sliding_attention" in report.plan.layers[0].note
-    assert not report.plan.layers[0].compressed
+    sliding, full = report.plan.layers  # keys behind a norm: no weight basis, in either
+    assert sliding.v_compressible
+    assert sliding.k_compressible == (rope == "commute" and full.k_compressible)
     tokens = cache.get_seq_length() * ids.shape[0]
     assert tokens <= 2 * model.config.sliding_window
     assert cache.cache_bytes() / tokens == report.cache_bytes_per_token()[1]
