@@ -255,8 +255,9 @@ class _LatentReplicas:
             pass
         elif codes_own_states(kind) and k_code is not None:
             layer = coded(layer, k_code)
-        elif kind is StaticSlidingWindowLayer and (k_code, v_code, self.bases[i].k_basis,
-                                                   self.bases[i].v_basis) != (None,) * 4:
+        elif kind is StaticSlidingWindowLayer and any(
+                x is not None for x in (k_code, v_code, self.bases[i].k_basis,
+                                        self.bases[i].v_basis)):
             layer = LatentStaticSlidingLayer(layer.max_cache_len, layer.max_cache_len,
                                              self.bases[i], k_code, v_code)
         elif kind in _SLIDING_LAYERS:
