@@ -26,7 +26,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from lorc_fx.analysis.cache_probe import fresh_cache, own_cache_class
 from lorc_fx.analysis.records import AttentionBlock, attention_module
-from lorc_fx.plan.planner import Plan, process_plan
+from lorc_fx.plan.planner import PLANNED, Plan, process_plan
 
 from .latent_cache import LatentCache, static_latent_layers
 
@@ -202,6 +202,8 @@ def install(model: nn.Module, plan: Plan, blocks: list[AttentionBlock]) -> None:
     tensor-parallel process caches its own shard's (``_lorc_plan``), and keeps the whole
     plan (``_lorc_whole_plan``) to save."""
     model._lorc_whole_plan = plan
+    for parameter in model.parameters():  # lorc_backend leaves their attention to this plan
+        setattr(parameter, PLANNED, True)
     own_cache_class(model)  # found now, before a compile: generate asks it every call
     model._lorc_plan = plan = process_plan(plan, blocks)
     limits = plan.scheme.limits()

@@ -101,12 +101,26 @@ def rotary_latent_attention(query, k_latent, cos, sin, v_latent, k_basis, v_basi
     returns ``(b, h, t, d)``. Scores as :func:`pre_rope_scores`; a query row whose every key is
     masked gets zeros, as SDPA's math backend gives.
     """
-    b, h, t, d = query.shape
-    n = k_latent.shape[-2]
     scores = pre_rope_scores(query, k_latent, cos, sin, k_basis, num_kv_heads, style, pairs,
                              scale)
-    probs = masked_softmax(scores, attn_mask)
-    out = (probs.view(b, 1, h * t, n) @ v_latent).view(b, h, t, -1)
+    return latent_sums(masked_softmax(scores, attn_mask), v_latent, v_basis, num_kv_heads)
+
+
+def latent_scores(query, k_latent, k_basis, num_kv_heads: int):
+    """``query (b, h, t, d)`` times the keys rebuilt from ``k_latent (b, 1, n, r)``,
+    transposed (manual attention's ``q @ kᵀ``, unscaled): ``(b, h, t, n)``, the basis folded
+    into the query and the heads read as rows of the latent's one head."""
+    b, h, t, _ = query.shape
+    q_latent = torch.einsum("bhtd,hrd->bhtr", query, head_blocks(k_basis, num_kv_heads, h))
+    return (q_latent.reshape(b, 1, h * t, -1) @ k_latent.transpose(-1, -2)).view(b, h, t, -1)
+
+
+def latent_sums(probs, v_latent, v_basis, num_kv_heads: int):
+    """Weights ``probs (b, h, t, n)`` times the values rebuilt from ``v_latent (b, 1, n, r)``
+    (manual attention's ``p @ v``): ``(b, h, t, d)``, summed over the latent, then out
+    through each head's block of the basis."""
+    b, h, t, n = probs.shape
+    out = (probs.reshape(b, 1, h * t, n) @ v_latent).view(b, h, t, -1)
     return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
 
 

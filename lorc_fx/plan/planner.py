@@ -273,6 +273,11 @@ def _low_rank() -> Scheme:
     return scheme_named(LOW_RANK)
 
 
+# an attribute ``cache.install`` sets on every parameter of a model it installs a plan on:
+# lorc_backend then leaves that model's attention to the plan (compile.passes.compress_attention)
+PLANNED = "_lorc_planned"
+
+
 @dataclass
 class Plan:
     layers: list[LayerPlan]

@@ -131,7 +131,9 @@ def test_rope_turned_the_other_way_is_rebuilt_with_its_own_sign(monkeypatch):
 @pytest.mark.parametrize("family, rope", [("gemma2", "commute"), ("gpt_oss", "reconstruct")])
 def test_softcapped_and_sink_attention_is_exact_at_full_rank_eager_and_compiled(family, rope):
     """gpt-oss in ``reconstruct`` mode also proves its RoPE (halves rotated apart, tables of
-    one value per pair, scaled by YaRN's ``attention_scaling``) turned back exactly."""
+    one value per pair, scaled by YaRN's ``attention_scaling``) turned back exactly. Compiled,
+    a decode step reads both of each layer's products absorbed (the softcap or the sink
+    between them kept)."""
     model = build(config_for(family))
     ids, mask = prompt()
     expected = generate(model, ids, mask)
@@ -140,10 +142,12 @@ def test_softcapped_and_sink_attention_is_exact_at_full_rank_eager_and_compiled(
     got = generate(model, ids, mask)
     assert isinstance(got.past_key_values, LatentCache)
     assert_same_generation(got, expected)
-    with compiled(model, lorc_backend.with_options(inductor=False)):
+    backend = lorc_backend.with_options(inductor=False)
+    with compiled(model, backend):
         got = generate(model, ids, mask)
     assert isinstance(got.past_key_values, LatentCache)
     assert_same_generation(got, expected)
+    assert max(r.absorbed for r in backend.reports) == 2 * 2
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])

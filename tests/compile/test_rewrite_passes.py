@@ -25,7 +25,7 @@ from torch._inductor.custom_graph_pass import get_hash_for_files
 from lorc_fx.cache.latent_ops import (PROJECT, RECONSTRUCT, ROTATED_RECONSTRUCT, project_math,
                                      reconstruct_math, rotated_reconstruct_math)
 from lorc_fx.compile import pass_manager
-from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
+from lorc_fx.compile.latent_attention import latent_attention, latent_sums, rotary_latent_attention
 from lorc_fx.compile.pass_manager import PASS_ORDER, LorcPassManager
 from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
 from lorc_fx.compile.passes import absorb_mla as absorb_mla_module
@@ -35,6 +35,8 @@ from lorc_fx.compile.passes.absorb_latent_attention import absorb_latent_attenti
 from lorc_fx.compile.passes.compress_attention import compress_attention
 from lorc_fx.compile.passes.lower_latent_ops import lower_latent_ops
 from lorc_fx.plan.options import CalibrationOptions, PlanOptions
+from lorc_fx.plan.planner import PLANNED
+from lorc_fx.plan.schedules import UnreachableFraction
 
 B, H, HKV, D, DIM, T, PAST = 2, 4, 2, 8, 32, 5, 3
 SDPA = F.scaled_dot_product_attention
@@ -263,18 +265,54 @@ def test_compress_ignores_weights_that_are_not_parameters():
     assert result.compressed == [] and result.plan is None and snapshot(gm) == before
 
 
+def test_compress_leaves_a_planned_models_attention_to_its_plan():
+    """Weights ``lorc_fx.compress`` marked (its model's cache holds what its plan says): the
+    graph stays as it was, even where it shows no latent, and nothing is reported left alone."""
+    gm, inputs = traced_model(layers=2)
+    for x in inputs:
+        if isinstance(x, nn.Parameter):
+            setattr(x, PLANNED, True)
+    before = snapshot(gm)
+    result = compress_attention(gm, inputs, options(0.5))
+    assert result.planned == [0, 1] and result.compressed == [] and result.left_alone == []
+    assert snapshot(gm) == before
+
+
+@pytest.mark.parametrize("lowest", [1.0, 0.7])
+def test_compress_where_nothing_compresses_leaves_all_alone_and_says_why(lowest, monkeypatch):
+    """A planner that reaches no fraction below 1 leaves every block alone with its reason;
+    one that reaches some, but not the fraction asked, is the caller's error."""
+    def unreachable(*_):
+        raise UnreachableFraction(f"out of reach: it reaches [{lowest}, 1.000]", lowest)
+
+    monkeypatch.setattr(compress_module, "plan_layers", unreachable)
+    gm, inputs = traced_model(layers=2)
+    before = snapshot(gm)
+    if lowest < 1.0:
+        with pytest.raises(UnreachableFraction):
+            compress_attention(gm, inputs, options(0.5))
+        return
+    result = compress_attention(gm, inputs, options(0.5))
+    assert result.compressed == [] and [i for i, _ in result.left_alone] == [0, 1]
+    assert all("nothing here compresses" in why for _, why in result.left_alone)
+    assert snapshot(gm) == before
+
+
 # ------------------------------------------- absorb_latent_attention: hand-written graphs
 
 def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, causal=False,
                       scale=None, as_kwargs=False, plain_value=False, extra_user=None,
-                      key_op=None, dead_code=False, rotary=None):
+                      key_op=None, dead_code=False, rotary=None, manual=None):
     """``sdpa(q, repeat?(reconstruct(c_k, P_k)), repeat?(reconstruct(c_v, P_v)))`` as the latent
     cache traces it (``rotary``: keys cached before RoPE, ``rotated_reconstruct(c_k, P_k, h_kv,
     cos, sin, rotary)``) (``as_kwargs``: SDPA's and the reconstructions' arguments by keyword, as a
     graph may spell them). ``spelling``: how keys reach SDPA. ``gqa``: directly, with
     ``enable_gqa``; ``repeat_kv``: ``x[:, :, None].expand(...).reshape(...)`` (transformers);
     ``unsqueeze``: ``x.unsqueeze(2)``...; ``tile``/``tile_unsqueeze``: the new axis before the
-    heads, so query head i reads kv head ``i % h_kv`` (not what the absorbed form computes)."""
+    heads, so query head i reads kv head ``i % h_kv`` (not what the absorbed form computes).
+    ``manual``: eager attention's two products instead of SDPA, with what models put between
+    them (``plain``: scale, mask, softmax; ``softcap``: Gemma 2's ``tanh`` on the scores;
+    ``sinks``: gpt-oss's per-head sink logit joined before the softmax, dropped after)."""
     g = fx.Graph()
     q, ck, cv, pk, pv, attn_mask, v_plain, buf, pos, cos, sin = (
         g.placeholder(n) for n in ("q", "c_k", "c_v", "p_k", "p_v", "mask", "v_plain", "buf",
@@ -314,7 +352,9 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
     value = v_plain if plain_value else repeat(reconstruct(cv, pv))
     extra = dict(attn_mask=attn_mask if mask else None, is_causal=causal, scale=scale,
                  enable_gqa=spelling == "gqa")
-    if as_kwargs:
+    if manual is not None:
+        out = manual_attention(g, q, key, value, attn_mask if mask else None, scale, manual)
+    elif as_kwargs:
         out = g.call_function(SDPA, (), dict(query=q, key=key, value=value, **extra))
     else:
         out = g.call_function(SDPA, (q, key, value, extra.pop("attn_mask"), 0.0,
@@ -329,6 +369,26 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
         g.call_method("mean", (cv,))
     g.output(tuple(outputs) if len(outputs) > 1 else out)
     return fx.GraphModule(nn.Module(), g)
+
+
+def manual_attention(g: fx.Graph, q, key, value, attn_mask, scale, kind: str):
+    """Eager attention as transformers' ``eager_attention_forward`` traces it, ``kind`` as
+    :func:`latent_sdpa_graph`'s ``manual``."""
+    call = lambda f, *args, **kw: g.call_function(f, args, kw)
+    scores = call(torch.matmul, q, g.call_method("transpose", (key, 2, 3)))
+    scores = call(operator.mul, scores, D ** -0.5 if scale is None else scale)
+    if kind == "softcap":
+        scores = call(operator.mul, call(torch.tanh, call(operator.truediv, scores, 2.0)), 2.0)
+    if attn_mask is not None:
+        scores = call(operator.add, scores, attn_mask)
+    if kind == "sinks":
+        sink = g.call_method("expand", (call(operator.getitem, scores, (Ellipsis, slice(0, 1))),
+                                        -1, -1, -1, 1))
+        scores = call(torch.cat, [scores, call(operator.mul, sink, 0.0)], dim=-1)
+    probs = call(F.softmax, scores, dim=-1)
+    if kind == "sinks":
+        probs = call(operator.getitem, probs, (Ellipsis, slice(0, -1)))
+    return call(torch.matmul, probs, value)
 
 
 def rotary_angles(n: int, rotary_dim: int, style: str, gen: torch.Generator):
@@ -438,6 +498,53 @@ def test_absorb_of_pre_rope_keys_is_exact(h_kv, rep, spelling, mask, t, n, r_k, 
     expected = gm(*inputs)
     assert absorb_latent_attention(gm) == 1
     assert calls(gm) == [rotary_latent_attention]
+    assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(h_kv=st.sampled_from([1, 2, 3]), rep=st.sampled_from([1, 2, 3]),
+       spelling=st.sampled_from(["repeat_kv", "unsqueeze", "mha"]),
+       kind=st.sampled_from(["plain", "softcap", "sinks"]), mask=st.booleans(),
+       rotary=st.sampled_from([None, "half", "interleaved"]), t=st.integers(1, 3),
+       n=st.integers(3, 6), r_k=st.integers(1, 9), r_v=st.integers(1, 9),
+       scale=st.sampled_from([None, 0.2]), seed=st.integers(0, 9))
+def test_absorb_of_manual_attention_is_exact(h_kv, rep, spelling, kind, mask, rotary, t, n,
+                                             r_k, r_v, scale, seed):
+    """Eager attention over reconstructions (softcapped scores and sink logits included):
+    both products read the latents, whatever lies between them stays, and the result is what
+    the products over the rebuilt keys and values gave (docs/design.md, "Manual attention")."""
+    if spelling == "mha":
+        rep = 1
+    gm = latent_sdpa_graph(spelling, h_kv=h_kv, rep=rep, mask=mask, scale=scale,
+                           rotary=rotary, manual=kind)
+    inputs = latent_inputs(h_kv * rep, h_kv, t, n, r_k, r_v, torch.float64, seed,
+                           rotary or "half")
+    record_examples(gm, *inputs)
+    expected = gm(*inputs)
+    assert absorb_latent_attention(gm) == 2
+    assert not set(calls(gm)) & {RECONSTRUCT, ROTATED_RECONSTRUCT, torch.matmul}
+    assert latent_sums in calls(gm)
+    assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("variant, absorbed", [
+    (dict(spelling="tile"), 0),     # head i reads kv head i % h_kv: not repeat_kv
+    (dict(plain_value=True, rotary="half", t=3), 0),  # a prefill's pre-RoPE keys; plain values
+    (dict(key_op="mul"), 1),        # maths between the keys' reconstruct and their product:
+])                                  # the values' product alone is absorbed
+def test_absorb_leaves_manual_products_it_cannot_prove_alone(variant, absorbed, monkeypatch):
+    """Each product is rewritten on its own proof; one it cannot prove keeps the matmul
+    over the rebuilt tensor."""
+    monkeypatch.setattr(absorb_module, "MAX_DECODE_QUERY", 2)
+    t = variant.pop("t", 2)
+    gm = latent_sdpa_graph(**{"spelling": "repeat_kv", "manual": "softcap", **variant})
+    inputs = latent_inputs(t=t)
+    record_examples(gm, *inputs)
+    expected, before = gm(*inputs), snapshot(gm)
+    assert absorb_latent_attention(gm) == absorbed
+    assert count(gm, torch.matmul) == 2 - absorbed
+    if not absorbed:
+        assert snapshot(gm) == before
     assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
 
 

@@ -38,6 +38,12 @@ codewords, the weighted sum of each block of 8 slots decoded in L1), the latent 
 out; keys cached before RoPE are still rebuilt from their decoded latent, their values read
 from the codes.
 
+Manual attention (``matmul(q, k.transpose(2, 3))``, whatever the model does to the scores,
+``matmul(p, v)``: softcaps, sink logits) has each product rewritten on its own: keys rebuilt
+from a latent into ``latent_scores`` (before RoPE, in decode graphs: ``pre_rope_scores`` at
+scale 1), values into ``latent_sums``; what lies between stays (docs/design.md, "Manual
+attention").
+
 A prefill (more than ``cache.layers.PREFILL_TOKENS`` incoming tokens) attends its own tokens
 as computed: its SDPA reads them concatenated after the earlier ones rebuilt (or alone), no
 pattern above, so it stays SDPA over the full keys and values.
@@ -47,7 +53,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
+from lorc_fx.analysis.fx_ops import op_name
+from lorc_fx.compile.latent_attention import (latent_attention, latent_scores, latent_sums,
+                                              pre_rope_scores, rotary_latent_attention)
 from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXES, VECTOR,
                                                  quantized_kv_attention, quantized_latent_attention,
                                                  quantized_rotary_latent_attention)
@@ -179,9 +187,52 @@ def _absorbed_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
     return None
 
 
+def _heads_first(node) -> bool:
+    """``node`` is laid out ``(b, h, t, ·)``, as the absorbed products take and give."""
+    value = fake(node) if isinstance(node, fx.Node) else None
+    return value is not None and value.dim() == 4
+
+
+def _transposed_last(node) -> fx.Node | None:
+    """``x`` of ``x.transpose(2, 3)`` (or of ``-2, -1``), else None."""
+    if op_name(node) != "transpose" or sorted(node.args[1:3]) not in ([2, 3], [-2, -1]):
+        return None
+    return node.args[0]
+
+
+def _absorbed_product(node: fx.Node):
+    """Manual attention's ``matmul(q, k.transpose(2, 3))`` over keys rebuilt from a latent,
+    or ``matmul(p, v)`` over values rebuilt from one, as ``(function, args, what it reads)``
+    of its absorbed form; None for any other product. Keys cached before RoPE are scored
+    from their latent in decode graphs only (as ``rotary_latent_attention``). Whatever manual
+    attention does between the two products (scale, mask, softcap, sink logits, softmax)
+    stays."""
+    if op_name(node) != "matmul" or len(node.args) != 2 or node.kwargs \
+            or not all(_heads_first(n) for n in (node, node.args[0])):
+        return None
+    left, right = node.args
+    keys = _transposed_last(right)
+    if keys is not None:
+        k_src = strip_repeat_kv(keys)
+        if k_src.target is RECONSTRUCT:
+            k = _bound(k_src, _RECONSTRUCT_ARGS)
+            return latent_scores, (left, k["latent"], k["basis"], k["num_heads"]), right
+        if k_src.target is ROTATED_RECONSTRUCT and few_query_tokens(left):
+            k = _bound(k_src, _ROTATED_ARGS)
+            return pre_rope_scores, (left, k["latent"], k["cos"], k["sin"], k["basis"],
+                                     k["num_heads"], k["style"], k.get("pairs"), 1.0), right
+        return None
+    v_src = strip_repeat_kv(right) if isinstance(right, fx.Node) else None
+    if v_src is not None and v_src.target is RECONSTRUCT:
+        v = _bound(v_src, _RECONSTRUCT_ARGS)
+        return latent_sums, (left, v["latent"], v["basis"], v["num_heads"]), right
+    return None
+
+
 def absorb_latent_attention(gm: fx.GraphModule) -> int:
-    """Rewrite every SDPA whose keys and values are latent reconstructions it can read;
-    returns the count."""
+    """Rewrite every SDPA whose keys and values are latent reconstructions it can read, and
+    manual attention's two products over such keys or values (``_absorbed_product``);
+    returns how many attention calls or products it rewrote."""
     graph, rewritten = gm.graph, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
@@ -192,6 +243,14 @@ def absorb_latent_attention(gm: fx.GraphModule) -> int:
             continue
         replace_call(graph, node, *call)
         erase_if_unused(graph, [a["key"], a["value"]])
+        rewritten += 1
+    for node in list(graph.nodes):
+        found = _absorbed_product(node) if node.op in ("call_function", "call_method") else None
+        if found is None:
+            continue
+        function, args, read = found
+        replace_call(graph, node, function, args)
+        erase_if_unused(graph, [read])
         rewritten += 1
     graph.lint()
     gm.recompile()

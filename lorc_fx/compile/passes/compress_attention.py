@@ -5,7 +5,11 @@ The graph's own weights are analysed and planned; each supported attention gets
 values leave their projections (after RoPE in ``commute`` mode, before it in
 ``reconstruct`` mode). The absorb pass then turns that into attention over the latent.
 Attention that reads a cache of full keys is left alone: the cache's shapes belong to
-Python, so only ``lorc_fx.compress(model)`` can shrink it.
+Python, so only ``lorc_fx.compress(model)`` can shrink it. So is the attention of a model
+``lorc_fx.compress`` prepared (its weights carry ``PLANNED``), even in a graph that shows no
+latent (a prefill into an empty cache whose layers the plan keeps full): its plan says what
+its cache holds. Where no layer can be compressed at all, everything is left alone with the
+planner's reason, not an error.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from lorc_fx.analysis.attention_match import match_attention
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache.latent_ops import PROJECT, RECONSTRUCT
 from lorc_fx.plan.options import PlanOptions
-from lorc_fx.plan.planner import Plan, layer_inputs, plan_layers
+from lorc_fx.plan.planner import PLANNED, Plan, layer_inputs, plan_layers
+from lorc_fx.plan.schedules import UnreachableFraction
 
 
 @dataclass
@@ -27,6 +32,7 @@ class GraphCompression:
     plan: Plan | None = None
     compressed: list[int] = field(default_factory=list)  # attention indices in graph order
     left_alone: list[tuple[int, str]] = field(default_factory=list)
+    planned: list[int] = field(default_factory=list)  # left to lorc_fx.compress's plan
 
 
 def _graph_params(gm: fx.GraphModule, example_inputs) -> dict[str, torch.Tensor]:
@@ -57,6 +63,11 @@ def _splice(gm: fx.GraphModule, states: fx.Node, basis: torch.Tensor, rebuild: t
         user.replace_input_with(states, rebuilt)
 
 
+def _planned(m: AttentionBlock, params: dict[str, torch.Tensor]) -> bool:
+    """The block's key or value weights belong to a model ``lorc_fx.compress`` prepared."""
+    return any(getattr(params.get(p.weight), PLANNED, False) for p in (m.k, m.v) if p)
+
+
 def _why_not(m: AttentionBlock, rope_mode: str) -> str | None:
     if not m.supported:
         return m.reason
@@ -76,14 +87,21 @@ def compress_attention(gm: fx.GraphModule, example_inputs, options: PlanOptions)
     result = GraphCompression()
     usable = []
     for m in matches:
-        why = _why_not(m, options.rope)
-        if why is None:
+        if _planned(m, params):
+            result.planned.append(m.layer)
+        elif (why := _why_not(m, options.rope)) is None:
             usable.append(m)
         else:
             result.left_alone.append((m.layer, why))
     if not usable:
         return result
-    result.plan = plan_layers(layer_inputs(params, usable), options)
+    try:
+        result.plan = plan_layers(layer_inputs(params, usable), options)
+    except UnreachableFraction as err:
+        if err.lowest < 1.0:
+            raise  # some layers compress, not as far as asked: the user's to change
+        result.left_alone += [(m.layer, f"nothing here compresses ({err})") for m in usable]
+        return result
     by_layer = {l.layer: l for l in result.plan.layers}
     for m in usable:
         layer, nodes, i = by_layer[m.layer], m.nodes, m.layer
