@@ -21,7 +21,8 @@ fresh process (``--family NAME``) under a timeout:
    16-token prompt, batch 1, 8 new tokens: its class, its layers' classes and the bytes of
    the keys and values it holds (float32). None held: lorc_fx should leave it alone.
    A family whose ``generate`` caches less than the 249-token prompt (MusicGen's caches only
-   its last token) decodes as many more tokens as reach 256 cached.
+   its last token) decodes as many more tokens as reach 256 cached; one that caches tokens
+   besides the prompt's (CPM-Ant's 32 prompt embeddings) gets a prompt as much shorter.
 3. ``lorc_fx.compress(model, progress=False)`` (the package's defaults), the same
    ``generate``: the bytes the compressed cache holds (``LatentCache.cache_bytes``: codes,
    scales, full-precision windows, uncompressed layers' keys and values) over the float32
@@ -30,7 +31,10 @@ fresh process (``--family NAME``) under a timeout:
    (stored, kept full, left uncompressed, left alone) are recorded.
 4. A copy of the model taken before step 3, ``compress(cache_fraction=1.0, latent_bits=16)``:
    greedy ``generate`` of 12 tokens (eager) for two 16-token prompts, the second left-padded by
-   3 tokens, token for token against the uncompressed model.
+   3 tokens, token for token against the uncompressed model; then the same model compiled
+   with ``lorc_backend`` (rewritten graphs run as they are, no Inductor), the same
+   ``generate``, and the most attention calls a graph read absorbed (an SDPA call, or either
+   of manual attention's two products).
 5. Where the report says MLA (its cache already the latent), a copy of the uncompressed model
    compiled with ``lorc_backend`` (rewritten graphs run as they are): step 4's generate,
    token for token, and how many blocks each graph read absorbed (``absorb_mla``).
@@ -280,6 +284,11 @@ def run_family(family: str, record_path: Path) -> None:
         record["long_new"] = new = LONG + NEW - cached  # 256 cached, as the others
         long_run = lambda m: generate(m, long, new=new)
         baseline["long"] = long_run(model)
+    elif record["kv_bytes"] and held is not None and held() > LONG + NEW - 1:
+        record["tokens_cached_besides"] = extra = held() - (LONG + NEW - 1)  # CPM-Ant's prompt
+        shorter = long[:, extra:]  # 256 cached, as the others
+        long_run = lambda m: generate(m, shorter)
+        baseline["long"] = long_run(model)
     fresh, uncompressed = copy.deepcopy(model), copy.deepcopy(model)
 
     record["step"] = "default"
@@ -316,6 +325,14 @@ def run_family(family: str, record_path: Path) -> None:
         except Exception as err:
             record["full_rank"] = "error"
             record["full_rank_failure"] = failure(err)
+        else:
+            record["step"] = "full rank, compiled"
+            save()
+            try:
+                record["full_rank_compiled"] = compiled_equal(fresh, batch, mask, baseline["batch"])
+            except Exception as err:
+                record["full_rank_compiled"] = "error"
+                record["full_rank_compiled_failure"] = failure(err)
     if "batch" in baseline and any(MLA_REASON in line for line in default.get("report", [])):
         record["step"] = "MLA read absorbed"
         save()
@@ -325,6 +342,24 @@ def run_family(family: str, record_path: Path) -> None:
             record["mla_absorbed"] = failure(err)
     record["step"] = "done"
     save()
+
+
+def compiled_equal(model, batch, mask, expected) -> str:
+    """Step 4's compressed model compiled with ``lorc_backend`` (its rewritten graphs run as
+    they are, Inductor left out to keep the sweep short): greedy tokens against the
+    uncompressed model's, and the most attention calls (SDPA, or one of manual attention's
+    two products) a graph read absorbed."""
+    import torch
+
+    from lorc_fx.compile.backend import lorc_backend
+
+    backend = lorc_backend.with_options(inductor=False)
+    model.forward = torch.compile(model.forward, backend=backend)
+    got = generate(model, batch, mask, EXACT_NEW).sequences
+    absorbed = max((r.absorbed + r.counts.get("absorb_mla", 0) for r in backend.reports),
+                   default=0)
+    return (f"{'equal' if torch.equal(got, expected.sequences) else 'not equal'}, "
+            f"{absorbed} absorbed a graph")
 
 
 def read_absorbed(model, batch, mask, expected) -> dict:
@@ -386,7 +421,8 @@ def failed(r: dict) -> str:
         if f"uncompressed_{name}_failed" in r:
             f = r[f"uncompressed_{name}_failed"]
             parts.append(f"uncompressed {name} generate: {f['error']}: {f['message']}")
-    for label, f in (("default", r.get("default", {})), ("full rank", r.get("full_rank_failure"))):
+    for label, f in (("default", r.get("default", {})), ("full rank", r.get("full_rank_failure")),
+                     ("full rank, compiled", r.get("full_rank_compiled_failure"))):
         if f and "error" in f:
             parts.append(f"{label}: {f['error']}: {f['message'][:120]} @ {f['where']}")
     if r.get("crashed"):
@@ -394,6 +430,10 @@ def failed(r: dict) -> str:
     if "prompt_tokens_cached" in r:
         parts.append(f"its generate caches {r['prompt_tokens_cached']} of a prompt's {LONG} "
                      f"tokens: 256 cached after {r['long_new']} new")
+    if "tokens_cached_besides" in r:
+        extra = r["tokens_cached_besides"]
+        parts.append(f"its generate caches {extra} tokens besides the prompt's: 256 cached "
+                     f"after a prompt of {LONG - extra}")
     left_alone = r.get("default", {}).get("left_alone")
     if r.get("status") == "ran" and not r.get("kv_bytes"):
         parts.append("left alone: its cache holds no keys and values" if left_alone else
@@ -409,6 +449,8 @@ def summary(r: dict) -> str:
     value = r.get("default", {}).get("fraction_256")
     goal = "–" if value is None or not has_kv(r) else ("yes" if value <= GOAL else "no")
     exact = r.get("full_rank", "–")
+    if "full_rank_compiled" in r:
+        exact += f"; compiled: {r['full_rank_compiled']}"
     absorbed = r.get("mla_absorbed")
     if absorbed is not None:
         exact += ("; compiled, MLA read absorbed: " + ("error" if "error" in absorbed else
@@ -451,6 +493,11 @@ def markdown(records: list[dict]) -> str:
         f"and {sum(r.get('full_rank') == 'equal (left alone)' for r in kv)} left alone (not "
         f"equal: {sum(r.get('full_rank', '').startswith('not') for r in kv)}, error: "
         f"{sum(r.get('full_rank') == 'error' for r in kv)})",
+        f"- full rank compiled with `lorc_backend` (rewritten graphs run as they are): "
+        f"{sum(r.get('full_rank_compiled', '').startswith('equal') for r in kv)} of "
+        f"{sum('full_rank_compiled' in r for r in kv)} token for token with the uncompressed "
+        f"model (not equal: {sum(r.get('full_rank_compiled', '').startswith('not') for r in kv)}"
+        f", error: {sum(r.get('full_rank_compiled') == 'error' for r in kv)})",
         f"- MLA (its cache already the latent) compiled with `lorc_backend`, read absorbed: "
         f"{len(mla)} families, {sum(bool(r['mla_absorbed'].get('equal')) for r in mla)} "
         "token for token with the eager model",
