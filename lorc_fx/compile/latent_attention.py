@@ -106,6 +106,34 @@ def rotary_latent_attention(query, k_latent, cos, sin, v_latent, k_basis, v_basi
     return latent_sums(masked_softmax(scores, attn_mask), v_latent, v_basis, num_kv_heads)
 
 
+def one_side_latent_attention(query, keys, values, num_kv_heads: int, attn_mask=None,
+                              scale: float | None = None):
+    """SDPA of a few query tokens ``(b, h, t, d)`` where one side is a latent and the other
+    is kept as it comes ``(b, h_kv, n, ·)`` (a plan that keeps keys behind a norm, or values
+    behind one, in the model's dtype). ``keys``/``values``: ``("latent", latent, basis)``,
+    ``("rotated", latent, basis, cos, sin, style, pairs)`` (keys cached before RoPE) or
+    ``("kept", tensor)``. Scores are materialised: for decode steps."""
+    b, h, t, d = query.shape
+    scale = d ** -0.5 if scale is None else scale
+    kind, *k = keys
+    if kind == "latent":
+        scores = latent_scores(query, k[0], k[1], num_kv_heads) * scale
+    elif kind == "rotated":
+        latent, basis, cos, sin, style, pairs = k
+        scores = pre_rope_scores(query, latent, cos, sin, basis, num_kv_heads, style, pairs,
+                                 scale)
+    else:
+        rows = query.reshape(b, num_kv_heads, h // num_kv_heads * t, d)
+        scores = (rows @ k[0].transpose(-1, -2)).view(b, h, t, -1) * scale
+    probs = masked_softmax(scores, attn_mask)
+    kind, *v = values
+    if kind == "latent":
+        return latent_sums(probs, v[0], v[1], num_kv_heads)
+    n = probs.shape[-1]
+    rows = probs.reshape(b, num_kv_heads, h // num_kv_heads * t, n)
+    return (rows @ v[0]).view(b, h, t, -1)
+
+
 def latent_scores(query, k_latent, k_basis, num_kv_heads: int):
     """``query (b, h, t, d)`` times the keys rebuilt from ``k_latent (b, 1, n, r)``,
     transposed (manual attention's ``q @ kᵀ``, unscaled): ``(b, h, t, n)``, the basis folded

@@ -25,7 +25,8 @@ from torch._inductor.custom_graph_pass import get_hash_for_files
 from lorc_fx.cache.latent_ops import (PROJECT, RECONSTRUCT, ROTATED_RECONSTRUCT, project_math,
                                      reconstruct_math, rotated_reconstruct_math)
 from lorc_fx.compile import pass_manager
-from lorc_fx.compile.latent_attention import latent_attention, latent_sums, rotary_latent_attention
+from lorc_fx.compile.latent_attention import (latent_attention, latent_sums,
+                                              one_side_latent_attention, rotary_latent_attention)
 from lorc_fx.compile.pass_manager import PASS_ORDER, LorcPassManager
 from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
 from lorc_fx.compile.passes import absorb_mla as absorb_mla_module
@@ -302,7 +303,7 @@ def test_compress_where_nothing_compresses_leaves_all_alone_and_says_why(lowest,
 
 def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, causal=False,
                       scale=None, as_kwargs=False, plain_value=False, extra_user=None,
-                      key_op=None, dead_code=False, rotary=None, manual=None):
+                      key_op=None, dead_code=False, rotary=None, manual=None, kept=None):
     """``sdpa(q, repeat?(reconstruct(c_k, P_k)), repeat?(reconstruct(c_v, P_v)))`` as the latent
     cache traces it (``rotary``: keys cached before RoPE, ``rotated_reconstruct(c_k, P_k, h_kv,
     cos, sin, rotary)``) (``as_kwargs``: SDPA's and the reconstructions' arguments by keyword, as a
@@ -312,11 +313,13 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
     heads, so query head i reads kv head ``i % h_kv`` (not what the absorbed form computes).
     ``manual``: eager attention's two products instead of SDPA, with what models put between
     them (``plain``: scale, mask, softmax; ``softcap``: Gemma 2's ``tanh`` on the scores;
-    ``sinks``: gpt-oss's per-head sink logit joined before the softmax, dropped after)."""
+    ``sinks``: gpt-oss's per-head sink logit joined before the softmax, dropped after).
+    ``kept``: that side (``keys`` or ``values``) a tensor of ``h_kv`` heads as it came, not a
+    latent (a plan keeping it in the model's dtype), repeated as the other."""
     g = fx.Graph()
-    q, ck, cv, pk, pv, attn_mask, v_plain, buf, pos, cos, sin = (
+    q, ck, cv, pk, pv, attn_mask, v_plain, buf, pos, cos, sin, as_came = (
         g.placeholder(n) for n in ("q", "c_k", "c_v", "p_k", "p_v", "mask", "v_plain", "buf",
-                                   "pos", "cos", "sin"))
+                                   "pos", "cos", "sin", "kept"))
     h = h_kv * rep
 
     def repeat(x):
@@ -342,14 +345,17 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
             return g.call_function(RECONSTRUCT, (latent,), dict(basis=basis, num_heads=h_kv))
         return g.call_function(RECONSTRUCT, (latent, basis, h_kv))
 
-    if rotary is None:
+    if kept == "keys":
+        k = as_came
+    elif rotary is None:
         k = reconstruct(ck, pk)
     else:
         k = g.call_function(ROTATED_RECONSTRUCT, (ck, pk, h_kv, cos, sin, rotary))
     key = repeat(k)
     if key_op == "mul":
         key = g.call_function(operator.mul, (key, 2.0))
-    value = v_plain if plain_value else repeat(reconstruct(cv, pv))
+    value = (v_plain if plain_value else repeat(as_came) if kept == "values"
+             else repeat(reconstruct(cv, pv)))
     extra = dict(attn_mask=attn_mask if mask else None, is_causal=causal, scale=scale,
                  enable_gqa=spelling == "gqa")
     if manual is not None:
@@ -411,7 +417,7 @@ def latent_inputs(h=H, h_kv=HKV, t=3, n=6, r_k=5, r_v=7, mask_dtype=torch.bool, 
     return [rand(B, h, t, D), rand(B, 1, n, r_k), rand(B, 1, n, r_v), rand(r_k, h_kv * D),
             rand(r_v, h_kv * D), mask, rand(B, h, n, D),
             torch.zeros(B, 1, n + 2, r_k, dtype=torch.float64), torch.arange(n),
-            *rotary_angles(n, rotary_dim, style, gen)]
+            *rotary_angles(n, rotary_dim, style, gen), rand(B, h_kv, n, D)]
 
 
 def sdpa_nodes(gm):
@@ -498,6 +504,33 @@ def test_absorb_of_pre_rope_keys_is_exact(h_kv, rep, spelling, mask, t, n, r_k, 
     expected = gm(*inputs)
     assert absorb_latent_attention(gm) == 1
     assert calls(gm) == [rotary_latent_attention]
+    assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(h_kv=st.sampled_from([1, 2, 3]), rep=st.sampled_from([1, 2, 3]),
+       spelling=st.sampled_from(["gqa", "repeat_kv", "unsqueeze", "mha"]),
+       kept=st.sampled_from(["keys", "values"]), rotary=st.sampled_from([None, "half"]),
+       mask=st.sampled_from(["none", "bool", "float"]), t=st.integers(1, 3),
+       n=st.integers(3, 6), r_k=st.integers(1, 9), r_v=st.integers(1, 9),
+       scale=st.sampled_from([None, 0.2]), seed=st.integers(0, 9))
+def test_absorb_of_one_latent_side_is_exact(h_kv, rep, spelling, kept, rotary, mask, t, n,
+                                            r_k, r_v, scale, seed):
+    """A decode SDPA with one side a latent and the other kept as it came (Gemma 4's values
+    behind ``v_norm``): the latent side read absorbed (keys before RoPE scored from theirs),
+    the kept side read in place, the same as SDPA over both."""
+    if spelling == "mha":
+        rep = 1
+    if kept == "keys":
+        rotary = None
+    gm = latent_sdpa_graph(spelling, h_kv=h_kv, rep=rep, mask=mask != "none", scale=scale,
+                           rotary=rotary, kept=kept)
+    inputs = latent_inputs(h_kv * rep, h_kv, t, n, r_k, r_v,
+                           torch.float64 if mask == "float" else torch.bool, seed)
+    record_examples(gm, *inputs)
+    expected = gm(*inputs)
+    assert absorb_latent_attention(gm) == 1
+    assert calls(gm) == [one_side_latent_attention]
     assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
 
 

@@ -38,6 +38,9 @@ codewords, the weighted sum of each block of 8 slots decoded in L1), the latent 
 out; keys cached before RoPE are still rebuilt from their decoded latent, their values read
 from the codes.
 
+A decode SDPA with one side a latent reconstruction and the other kept as it came (``h_kv``
+heads: Gemma 4's values behind ``v_norm``) becomes ``one_side_latent_attention``.
+
 Manual attention (``matmul(q, k.transpose(2, 3))``, whatever the model does to the scores,
 ``matmul(p, v)``: softcaps, sink logits) has each product rewritten on its own: keys rebuilt
 from a latent into ``latent_scores`` (before RoPE, in decode graphs: ``pre_rope_scores`` at
@@ -55,7 +58,8 @@ from torch import fx
 
 from lorc_fx.analysis.fx_ops import op_name
 from lorc_fx.compile.latent_attention import (latent_attention, latent_scores, latent_sums,
-                                              pre_rope_scores, rotary_latent_attention)
+                                              one_side_latent_attention, pre_rope_scores,
+                                              rotary_latent_attention)
 from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXES, VECTOR,
                                                  quantized_kv_attention, quantized_latent_attention,
                                                  quantized_rotary_latent_attention)
@@ -187,6 +191,35 @@ def _absorbed_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
     return None
 
 
+def _side_as_latent(node: fx.Node):
+    """A side for ``one_side_latent_attention``: ``(form, heads)``, heads None for a side
+    kept as it comes."""
+    if node.target is RECONSTRUCT:
+        a = _bound(node, _RECONSTRUCT_ARGS)
+        return ("latent", a["latent"], a["basis"]), a["num_heads"]
+    if node.target is ROTATED_RECONSTRUCT:
+        a = _bound(node, _ROTATED_ARGS)
+        return ("rotated", *(a.get(n) for n in _ROTATED_ARGS if n != "num_heads")), a["num_heads"]
+    return ("kept", node), None
+
+
+def _one_side_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
+    """A decode SDPA with exactly one side a latent reconstruction (values only as
+    ``lorc::reconstruct``), the other kept with as many heads, as ``(function, args,
+    kwargs)``; None otherwise."""
+    if not _is_decode(sdpa):
+        return None
+    (keys, k_heads), (values, v_heads) = _side_as_latent(k_src), _side_as_latent(v_src)
+    if (k_heads is None) == (v_heads is None) or values[0] == "rotated":
+        return None
+    heads = k_heads or v_heads
+    kept = fake(values[1] if v_heads is None else keys[1])
+    if kept is None or kept.dim() != 4 or kept.shape[1] != heads:
+        return None
+    return one_side_latent_attention, (sdpa["query"], keys, values, heads), dict(
+        attn_mask=sdpa.get("attn_mask"), scale=sdpa.get("scale"))
+
+
 def _heads_first(node) -> bool:
     """``node`` is laid out ``(b, h, t, ·)``, as the absorbed products take and give."""
     value = fake(node) if isinstance(node, fx.Node) else None
@@ -238,7 +271,8 @@ def absorb_latent_attention(gm: fx.GraphModule) -> int:
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
             continue
         a = _bound(node, _SDPA_ARGS)
-        call = _absorbed_call(a, strip_repeat_kv(a["key"]), strip_repeat_kv(a["value"]))
+        k_src, v_src = strip_repeat_kv(a["key"]), strip_repeat_kv(a["value"])
+        call = _absorbed_call(a, k_src, v_src) or _one_side_call(a, k_src, v_src)
         if call is None:
             continue
         replace_call(graph, node, *call)
