@@ -113,8 +113,7 @@ def one_side_latent_attention(query, keys, values, num_kv_heads: int, attn_mask=
     behind one, in the model's dtype). ``keys``/``values``: ``("latent", latent, basis)``,
     ``("rotated", latent, basis, cos, sin, style, pairs)`` (keys cached before RoPE) or
     ``("kept", tensor)``. Scores are materialised: for decode steps."""
-    b, h, t, d = query.shape
-    scale = d ** -0.5 if scale is None else scale
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     kind, *k = keys
     if kind == "latent":
         scores = latent_scores(query, k[0], k[1], num_kv_heads) * scale
@@ -123,33 +122,37 @@ def one_side_latent_attention(query, keys, values, num_kv_heads: int, attn_mask=
         scores = pre_rope_scores(query, latent, cos, sin, basis, num_kv_heads, style, pairs,
                                  scale)
     else:
-        rows = query.reshape(b, num_kv_heads, h // num_kv_heads * t, d)
-        scores = (rows @ k[0].transpose(-1, -2)).view(b, h, t, -1) * scale
+        scores = rows_times(query, k[0].transpose(-1, -2), num_kv_heads) * scale
     probs = masked_softmax(scores, attn_mask)
     kind, *v = values
     if kind == "latent":
         return latent_sums(probs, v[0], v[1], num_kv_heads)
-    n = probs.shape[-1]
-    rows = probs.reshape(b, num_kv_heads, h // num_kv_heads * t, n)
-    return (rows @ v[0]).view(b, h, t, -1)
+    return rows_times(probs, v[0], num_kv_heads)
+
+
+def rows_times(x, other, groups: int = 1):
+    """``x (b, h, t, ·)`` times ``other (b, groups, ·, ·)``: ``(b, h, t, ·)``, each query
+    head's ``t`` rows read as rows of its group (one group: a latent's one head; ``h_kv``
+    groups: each head's KV head), so ``other`` is never repeated per query head."""
+    b, h, t, _ = x.shape
+    return (x.reshape(b, groups, h // groups * t, -1) @ other).view(b, h, t, -1)
 
 
 def latent_scores(query, k_latent, k_basis, num_kv_heads: int):
     """``query (b, h, t, d)`` times the keys rebuilt from ``k_latent (b, 1, n, r)``,
     transposed (manual attention's ``q @ kᵀ``, unscaled): ``(b, h, t, n)``, the basis folded
     into the query and the heads read as rows of the latent's one head."""
-    b, h, t, _ = query.shape
-    q_latent = torch.einsum("bhtd,hrd->bhtr", query, head_blocks(k_basis, num_kv_heads, h))
-    return (q_latent.reshape(b, 1, h * t, -1) @ k_latent.transpose(-1, -2)).view(b, h, t, -1)
+    q_latent = torch.einsum("bhtd,hrd->bhtr", query,
+                            head_blocks(k_basis, num_kv_heads, query.shape[1]))
+    return rows_times(q_latent, k_latent.transpose(-1, -2))
 
 
 def latent_sums(probs, v_latent, v_basis, num_kv_heads: int):
     """Weights ``probs (b, h, t, n)`` times the values rebuilt from ``v_latent (b, 1, n, r)``
     (manual attention's ``p @ v``): ``(b, h, t, d)``, summed over the latent, then out
     through each head's block of the basis."""
-    b, h, t, n = probs.shape
-    out = (probs.reshape(b, 1, h * t, n) @ v_latent).view(b, h, t, -1)
-    return torch.einsum("bhtr,hrd->bhtd", out, head_blocks(v_basis, num_kv_heads, h))
+    return torch.einsum("bhtr,hrd->bhtd", rows_times(probs, v_latent),
+                        head_blocks(v_basis, num_kv_heads, probs.shape[1]))
 
 
 def pre_rope_scores(query, k_latent, cos, sin, k_basis, num_kv_heads: int, style: str,

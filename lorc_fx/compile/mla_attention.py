@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .latent_attention import multi_query_sdpa
+from .latent_attention import multi_query_sdpa, rows_times
 
 
 def mla_attention(query, latent, rope_key, up_weight, nope_dim: int, attn_mask=None,
@@ -39,16 +39,13 @@ def mla_attention(query, latent, rope_key, up_weight, nope_dim: int, attn_mask=N
 def mla_scores(query, latent, rope_key, up_weight, nope_dim: int):
     """Manual attention's ``query @ key.transpose(2, 3)`` over the keys MLA expands, unscaled:
     ``(b, h, t, n)``, the heads read as query rows of the latent."""
-    b, h, t, _ = query.shape
-    rows = _latent_query(query, up_weight, nope_dim).reshape(b, 1, h * t, -1)
-    return (rows @ torch.cat((latent, rope_key), dim=-1).transpose(-1, -2)).view(b, h, t, -1)
+    return rows_times(_latent_query(query, up_weight, nope_dim),
+                      torch.cat((latent, rope_key), dim=-1).transpose(-1, -2))
 
 
 def mla_sums(probs, latent, up_weight, nope_dim: int):
     """Manual attention's ``probs @ value`` over the values MLA expands: ``(b, h, t, d_v)``."""
-    b, h, t, n = probs.shape
-    out = probs.reshape(b, 1, h * t, n) @ latent.to(probs.dtype)
-    return _head_outputs(out.view(b, h, t, -1), up_weight, nope_dim)
+    return _head_outputs(rows_times(probs, latent.to(probs.dtype)), up_weight, nope_dim)
 
 
 def _per_head(up_weight, heads: int) -> torch.Tensor:
