@@ -344,36 +344,39 @@ def run_family(family: str, record_path: Path) -> None:
     save()
 
 
-def compiled_equal(model, batch, mask, expected) -> str:
-    """Step 4's compressed model compiled with ``lorc_backend`` (its rewritten graphs run as
-    they are, Inductor left out to keep the sweep short): greedy tokens against the
-    uncompressed model's, and the most attention calls (SDPA, or one of manual attention's
-    two products) a graph read absorbed."""
+def compiled_generate(model, batch, mask):
+    """``model.forward`` compiled with ``lorc_backend``, its rewritten graphs run as they are
+    (no Inductor, to keep the sweep short): the greedy tokens of step 4's ``generate`` and the
+    backend's report of each graph."""
     import torch
 
     from lorc_fx.compile.backend import lorc_backend
 
     backend = lorc_backend.with_options(inductor=False)
     model.forward = torch.compile(model.forward, backend=backend)
-    got = generate(model, batch, mask, EXACT_NEW).sequences
-    absorbed = max((r.absorbed + r.counts.get("absorb_mla", 0) for r in backend.reports),
-                   default=0)
+    return generate(model, batch, mask, EXACT_NEW).sequences, backend.reports
+
+
+def compiled_equal(model, batch, mask, expected) -> str:
+    """Step 4's compressed model compiled (:func:`compiled_generate`): greedy tokens against
+    the uncompressed model's, and the most attention calls (SDPA, or one of manual
+    attention's two products) a graph read absorbed."""
+    import torch
+
+    got, reports = compiled_generate(model, batch, mask)
+    absorbed = max((r.absorbed + r.counts.get("absorb_mla", 0) for r in reports), default=0)
     return (f"{'equal' if torch.equal(got, expected.sequences) else 'not equal'}, "
             f"{absorbed} absorbed a graph")
 
 
 def read_absorbed(model, batch, mask, expected) -> dict:
-    """Step 5: the uncompressed model compiled with ``lorc_backend`` (its rewritten graphs run
-    as they are): greedy tokens against eager's, and the MLA blocks each graph read absorbed."""
+    """Step 5: the uncompressed model compiled (:func:`compiled_generate`): greedy tokens
+    against eager's, and the MLA blocks each graph read absorbed."""
     import torch
 
-    from lorc_fx.compile.backend import lorc_backend
-
-    backend = lorc_backend.with_options(inductor=False)
-    model.forward = torch.compile(model.forward, backend=backend)
-    got = generate(model, batch, mask, EXACT_NEW).sequences
+    got, reports = compiled_generate(model, batch, mask)
     return {"equal": torch.equal(got, expected.sequences),
-            "absorbed_per_graph": [r.counts.get("absorb_mla", 0) for r in backend.reports]}
+            "absorbed_per_graph": [r.counts.get("absorb_mla", 0) for r in reports]}
 
 
 def sweep(families: list[str], timeout: float) -> list[dict]:
