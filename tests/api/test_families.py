@@ -128,12 +128,14 @@ def test_rope_turned_the_other_way_is_rebuilt_with_its_own_sign(monkeypatch):
         assert_same_generation(got, expected)
 
 
-@pytest.mark.parametrize("family, rope", [("gemma2", "commute"), ("gpt_oss", "reconstruct")])
-def test_softcapped_and_sink_attention_is_exact_at_full_rank_eager_and_compiled(family, rope):
-    """gpt-oss in ``reconstruct`` mode also proves its RoPE (halves rotated apart, tables of
-    one value per pair, scaled by YaRN's ``attention_scaling``) turned back exactly. Compiled,
-    a decode step reads both of each layer's products absorbed (the softcap or the sink
-    between them kept)."""
+@pytest.mark.parametrize("family, rope", [("gemma2", "commute"), ("gpt_oss", "reconstruct"),
+                                          ("bloom", "commute"), ("xglm", "commute")])
+def test_manual_attention_is_exact_at_full_rank_eager_and_compiled(family, rope):
+    """Eager attention: Gemma 2's softcap, gpt-oss's sinks, BLOOM's and XGLM's heads merged
+    into the batch (``baddbmm`` adding ALiBi, ``bmm``). gpt-oss in ``reconstruct`` mode also
+    proves its RoPE (halves rotated apart, tables of one value per pair, scaled by YaRN's
+    ``attention_scaling``) turned back exactly. Compiled, a decode step reads both of each
+    layer's products absorbed (what lies between them kept)."""
     model = build(config_for(family))
     ids, mask = prompt()
     expected = generate(model, ids, mask)

@@ -313,13 +313,14 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
     heads, so query head i reads kv head ``i % h_kv`` (not what the absorbed form computes).
     ``manual``: eager attention's two products instead of SDPA, with what models put between
     them (``plain``: scale, mask, softmax; ``softcap``: Gemma 2's ``tanh`` on the scores;
-    ``sinks``: gpt-oss's per-head sink logit joined before the softmax, dropped after).
+    ``sinks``: gpt-oss's per-head sink logit joined before the softmax, dropped after; ``bmm``
+    and ``baddbmm``: the heads merged into the batch, XGLM's and BLOOM's with its ALiBi bias).
     ``kept``: that side (``keys`` or ``values``) a tensor of ``h_kv`` heads as it came, not a
     latent (a plan keeping it in the model's dtype), repeated as the other."""
     g = fx.Graph()
-    q, ck, cv, pk, pv, attn_mask, v_plain, buf, pos, cos, sin, as_came = (
+    q, ck, cv, pk, pv, attn_mask, v_plain, buf, pos, cos, sin, as_came, bias = (
         g.placeholder(n) for n in ("q", "c_k", "c_v", "p_k", "p_v", "mask", "v_plain", "buf",
-                                   "pos", "cos", "sin", "kept"))
+                                   "pos", "cos", "sin", "kept", "bias"))
     h = h_kv * rep
 
     def repeat(x):
@@ -359,7 +360,8 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
     extra = dict(attn_mask=attn_mask if mask else None, is_causal=causal, scale=scale,
                  enable_gqa=spelling == "gqa")
     if manual is not None:
-        out = manual_attention(g, q, key, value, attn_mask if mask else None, scale, manual)
+        out = manual_attention(g, q, key, value, attn_mask if mask else None, scale, manual,
+                               bias)
     elif as_kwargs:
         out = g.call_function(SDPA, (), dict(query=q, key=key, value=value, **extra))
     else:
@@ -377,12 +379,15 @@ def latent_sdpa_graph(spelling="gqa", *, h_kv=HKV, rep=H // HKV, mask=False, cau
     return fx.GraphModule(nn.Module(), g)
 
 
-def manual_attention(g: fx.Graph, q, key, value, attn_mask, scale, kind: str):
+def manual_attention(g: fx.Graph, q, key, value, attn_mask, scale, kind: str, bias=None):
     """Eager attention as transformers' ``eager_attention_forward`` traces it, ``kind`` as
-    :func:`latent_sdpa_graph`'s ``manual``."""
+    :func:`latent_sdpa_graph`'s ``manual`` (``bias (b·h, 1, n)``: BLOOM's ALiBi)."""
     call = lambda f, *args, **kw: g.call_function(f, args, kw)
+    scale = D ** -0.5 if scale is None else scale
+    if kind in ("bmm", "baddbmm"):
+        return merged_heads_attention(g, q, key, value, attn_mask, scale, kind, bias)
     scores = call(torch.matmul, q, g.call_method("transpose", (key, 2, 3)))
-    scores = call(operator.mul, scores, D ** -0.5 if scale is None else scale)
+    scores = call(operator.mul, scores, scale)
     if kind == "softcap":
         scores = call(operator.mul, call(torch.tanh, call(operator.truediv, scores, 2.0)), 2.0)
     if attn_mask is not None:
@@ -395,6 +400,28 @@ def manual_attention(g: fx.Graph, q, key, value, attn_mask, scale, kind: str):
     if kind == "sinks":
         probs = call(operator.getitem, probs, (Ellipsis, slice(0, -1)))
     return call(torch.matmul, probs, value)
+
+
+def merged_heads_attention(g: fx.Graph, q, key, value, attn_mask, scale, kind: str, bias):
+    """Attention with the heads merged into the batch, as XGLM (``bmm``) and BLOOM
+    (``baddbmm`` adding ALiBi's ``bias``) trace it: ``(b, h, t, d)`` in and out."""
+    call = lambda f, *args, **kw: g.call_function(f, args, kw)
+    size = lambda dim: g.call_method("size", (q, dim))  # sizes read off the query alone
+    rows = call(operator.mul, size(0), size(1))
+    merged = lambda x: g.call_method("reshape", (x, rows, -1, D))
+    heads = lambda x: g.call_method("view", (x, size(0), size(1), size(2), -1))
+    keys = g.call_method("transpose", (merged(key), 1, 2) if kind == "bmm"
+                         else (merged(key), -1, -2))
+    if kind == "bmm":
+        scores = call(operator.mul, call(torch.bmm, merged(q), keys), scale)
+    else:
+        scores = g.call_method("baddbmm", (bias,), dict(batch1=merged(q), batch2=keys,
+                                                        beta=0.5, alpha=scale))
+    scores = heads(scores)
+    if attn_mask is not None:
+        scores = call(operator.add, scores, attn_mask)
+    probs = g.call_method("view", (call(F.softmax, scores, dim=-1), rows, size(2), -1))
+    return heads(call(torch.bmm, probs, merged(value)))
 
 
 def rotary_angles(n: int, rotary_dim: int, style: str, gen: torch.Generator):
@@ -417,7 +444,7 @@ def latent_inputs(h=H, h_kv=HKV, t=3, n=6, r_k=5, r_v=7, mask_dtype=torch.bool, 
     return [rand(B, h, t, D), rand(B, 1, n, r_k), rand(B, 1, n, r_v), rand(r_k, h_kv * D),
             rand(r_v, h_kv * D), mask, rand(B, h, n, D),
             torch.zeros(B, 1, n + 2, r_k, dtype=torch.float64), torch.arange(n),
-            *rotary_angles(n, rotary_dim, style, gen), rand(B, h_kv, n, D)]
+            *rotary_angles(n, rotary_dim, style, gen), rand(B, h_kv, n, D), rand(B * h, 1, n)]
 
 
 def sdpa_nodes(gm):
@@ -537,15 +564,16 @@ def test_absorb_of_one_latent_side_is_exact(h_kv, rep, spelling, kept, rotary, m
 @settings(max_examples=25, deadline=None)
 @given(h_kv=st.sampled_from([1, 2, 3]), rep=st.sampled_from([1, 2, 3]),
        spelling=st.sampled_from(["repeat_kv", "unsqueeze", "mha"]),
-       kind=st.sampled_from(["plain", "softcap", "sinks"]), mask=st.booleans(),
+       kind=st.sampled_from(["plain", "softcap", "sinks", "bmm", "baddbmm"]), mask=st.booleans(),
        rotary=st.sampled_from([None, "half", "interleaved"]), t=st.integers(1, 3),
        n=st.integers(3, 6), r_k=st.integers(1, 9), r_v=st.integers(1, 9),
        scale=st.sampled_from([None, 0.2]), seed=st.integers(0, 9))
 def test_absorb_of_manual_attention_is_exact(h_kv, rep, spelling, kind, mask, rotary, t, n,
                                              r_k, r_v, scale, seed):
-    """Eager attention over reconstructions (softcapped scores and sink logits included):
-    both products read the latents, whatever lies between them stays, and the result is what
-    the products over the rebuilt keys and values gave (docs/design.md, "Manual attention")."""
+    """Eager attention over reconstructions (softcapped scores, sink logits, heads merged into
+    the batch included): both products read the latents, whatever lies between them stays,
+    and the result is what the products over the rebuilt keys and values gave
+    (docs/design.md, "Manual attention")."""
     if spelling == "mha":
         rep = 1
     gm = latent_sdpa_graph(spelling, h_kv=h_kv, rep=rep, mask=mask, scale=scale,
@@ -555,7 +583,8 @@ def test_absorb_of_manual_attention_is_exact(h_kv, rep, spelling, kind, mask, ro
     record_examples(gm, *inputs)
     expected = gm(*inputs)
     assert absorb_latent_attention(gm) == 2
-    assert not set(calls(gm)) & {RECONSTRUCT, ROTATED_RECONSTRUCT, torch.matmul}
+    assert not set(calls(gm)) & {RECONSTRUCT, ROTATED_RECONSTRUCT, torch.matmul, torch.bmm,
+                                 "baddbmm"}
     assert latent_sums in calls(gm)
     assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)
 
@@ -564,7 +593,10 @@ def test_absorb_of_manual_attention_is_exact(h_kv, rep, spelling, kind, mask, ro
     (dict(spelling="tile"), 0),     # head i reads kv head i % h_kv: not repeat_kv
     (dict(plain_value=True, rotary="half", t=3), 0),  # a prefill's pre-RoPE keys; plain values
     (dict(key_op="mul"), 1),        # maths between the keys' reconstruct and their product:
-])                                  # the values' product alone is absorbed
+                                    # the values' product alone is absorbed
+    (dict(spelling="tile", manual="baddbmm"), 0),  # the same with the heads merged
+    (dict(plain_value=True, rotary="half", t=3, manual="bmm"), 0),
+])
 def test_absorb_leaves_manual_products_it_cannot_prove_alone(variant, absorbed, monkeypatch):
     """Each product is rewritten on its own proof; one it cannot prove keeps the matmul
     over the rebuilt tensor."""
@@ -575,7 +607,7 @@ def test_absorb_leaves_manual_products_it_cannot_prove_alone(variant, absorbed, 
     record_examples(gm, *inputs)
     expected, before = gm(*inputs), snapshot(gm)
     assert absorb_latent_attention(gm) == absorbed
-    assert count(gm, torch.matmul) == 2 - absorbed
+    assert sum(count(gm, p) for p in (torch.matmul, torch.bmm, "baddbmm")) == 2 - absorbed
     if not absorbed:
         assert snapshot(gm) == before
     assert_same(gm(*inputs), expected, atol=1e-10, rtol=1e-10)

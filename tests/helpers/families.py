@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 from hypothesis import strategies as st
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, DeepseekV32Config,
+from transformers import (AutoModelForCausalLM, BloomConfig, DeepseekV3Config, DeepseekV32Config,
                           DeepseekV4Config,
                           FalconH1Config, GemmaConfig, Gemma2Config, Gemma3TextConfig, GPT2Config,
                           GptOssConfig, GPTNeoXConfig, LlamaConfig, Lfm2Config, MiniMaxConfig,
                           MistralConfig, MusicgenMelodyDecoderConfig,
                           OPTConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3NextConfig,
-                          Zamba2Config)
+                          XGLMConfig, Zamba2Config)
 
 VOCAB = 96
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt_neox", "gpt2", "opt", "gemma", "gemma3")
@@ -121,6 +121,11 @@ def config_for(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 1
         return OPTConfig(hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, max_position_embeddings=64,
                          word_embed_proj_dim=hidden, enable_bias=bias, **common)
+    if family == "bloom":  # heads merged into the batch for baddbmm, ALiBi as its input
+        return BloomConfig(hidden_size=hidden, n_layer=layers, n_head=heads, **common)
+    if family == "xglm":  # heads merged into the batch for bmm
+        return XGLMConfig(d_model=hidden, ffn_dim=2 * hidden, num_layers=layers,
+                          attention_heads=heads, max_position_embeddings=64, **common)
     raise ValueError(family)
 
 

@@ -45,7 +45,9 @@ Manual attention (``matmul(q, k.transpose(2, 3))``, whatever the model does to t
 ``matmul(p, v)``: softcaps, sink logits) has each product rewritten on its own: keys rebuilt
 from a latent into ``latent_scores`` (before RoPE, in decode graphs: ``pre_rope_scores`` at
 scale 1), values into ``latent_sums``; what lies between stays (docs/design.md, "Manual
-attention").
+attention"). The same products with the heads merged into the batch (``bmm`` and
+``baddbmm`` over ``(b·h, t, ·)``: BLOOM, XGLM, TrOCR) read the query or weights unflattened to
+their heads and give the result merged back.
 
 A prefill (more than ``cache.layers.PREFILL_TOKENS`` incoming tokens) attends its own tokens
 as computed: its SDPA reads them concatenated after the earlier ones rebuilt (or alone), no
@@ -53,8 +55,11 @@ pattern above, so it stays SDPA over the full keys and values.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from lorc_fx.analysis.fx_ops import op_name
 from lorc_fx.compile.latent_attention import (latent_attention, latent_scores, latent_sums,
@@ -88,11 +93,11 @@ def _bound(node: fx.Node, names: tuple[str, ...]) -> dict:
     return bound
 
 
-def few_query_tokens(query: fx.Node) -> bool:
-    """A static query length of at most ``MAX_DECODE_QUERY``: decode steps, draft
-    verification."""
+def few_query_tokens(query: fx.Node, axis: int = 2) -> bool:
+    """A static query length (``query``'s dimension ``axis``) of at most
+    ``MAX_DECODE_QUERY``: decode steps, draft verification."""
     value = fake(query)
-    t = None if value is None else value.shape[2]
+    t = None if value is None else value.shape[axis]
     return isinstance(t, int) and t <= MAX_DECODE_QUERY
 
 
@@ -220,52 +225,123 @@ def _one_side_call(sdpa: dict, k_src: fx.Node, v_src: fx.Node):
         attn_mask=sdpa.get("attn_mask"), scale=sdpa.get("scale"))
 
 
-def _heads_first(node) -> bool:
-    """``node`` is laid out ``(b, h, t, ·)``, as the absorbed products take and give."""
+def _dims(node) -> int | None:
+    """How many dimensions ``node``'s recorded value has (None without one)."""
     value = fake(node) if isinstance(node, fx.Node) else None
-    return value is not None and value.dim() == 4
+    return None if value is None else value.dim()
 
 
-def _transposed_last(node) -> fx.Node | None:
-    """``x`` of ``x.transpose(2, 3)`` (or of ``-2, -1``), else None."""
-    if op_name(node) != "transpose" or sorted(node.args[1:3]) not in ([2, 3], [-2, -1]):
+def _transposed_last(node, dims: int) -> fx.Node | None:
+    """``x`` of ``x`` (``dims`` dimensions) with its last two swapped, else None."""
+    if op_name(node) != "transpose" or sorted(node.args[1:3]) not in ([dims - 2, dims - 1],
+                                                                      [-2, -1]):
         return None
     return node.args[0]
+
+
+def _latent_product(left: fx.Node, keys: fx.Node | None, values, decode: bool):
+    """``(function, args)`` of the absorbed form of ``left @ keysᵀ`` (``keys`` given) or
+    ``left @ values``, all ``(b, h, ·, ·)``, where those keys or values are rebuilt from a
+    latent; None otherwise. Keys cached before RoPE are scored from their latent in decode
+    graphs only (as ``rotary_latent_attention``)."""
+    if keys is not None:
+        k_src = strip_repeat_kv(keys)
+        if k_src.target is RECONSTRUCT:
+            k = _bound(k_src, _RECONSTRUCT_ARGS)
+            return latent_scores, (left, k["latent"], k["basis"], k["num_heads"])
+        if k_src.target is ROTATED_RECONSTRUCT and decode:
+            k = _bound(k_src, _ROTATED_ARGS)
+            return pre_rope_scores, (left, k["latent"], k["cos"], k["sin"], k["basis"],
+                                     k["num_heads"], k["style"], k.get("pairs"), 1.0)
+        return None
+    v_src = strip_repeat_kv(values) if isinstance(values, fx.Node) else None
+    if v_src is not None and v_src.target is RECONSTRUCT:
+        v = _bound(v_src, _RECONSTRUCT_ARGS)
+        return latent_sums, (left, v["latent"], v["basis"], v["num_heads"])
+    return None
 
 
 def _absorbed_product(node: fx.Node):
     """Manual attention's ``matmul(q, k.transpose(2, 3))`` over keys rebuilt from a latent,
     or ``matmul(p, v)`` over values rebuilt from one, as ``(function, args, what it reads)``
-    of its absorbed form; None for any other product. Keys cached before RoPE are scored
-    from their latent in decode graphs only (as ``rotary_latent_attention``). Whatever manual
-    attention does between the two products (scale, mask, softcap, sink logits, softmax)
-    stays."""
+    of its absorbed form; None for any other product. Whatever manual attention does between
+    the two products (scale, mask, softcap, sink logits, softmax) stays."""
     if op_name(node) != "matmul" or len(node.args) != 2 or node.kwargs \
-            or not all(_heads_first(n) for n in (node, node.args[0])):
+            or not _dims(node) == _dims(node.args[0]) == 4:
         return None
     left, right = node.args
-    keys = _transposed_last(right)
-    if keys is not None:
-        k_src = strip_repeat_kv(keys)
-        if k_src.target is RECONSTRUCT:
-            k = _bound(k_src, _RECONSTRUCT_ARGS)
-            return latent_scores, (left, k["latent"], k["basis"], k["num_heads"]), right
-        if k_src.target is ROTATED_RECONSTRUCT and few_query_tokens(left):
-            k = _bound(k_src, _ROTATED_ARGS)
-            return pre_rope_scores, (left, k["latent"], k["cos"], k["sin"], k["basis"],
-                                     k["num_heads"], k["style"], k.get("pairs"), 1.0), right
+    keys = _transposed_last(right, 4)
+    found = _latent_product(left, keys, None if keys is not None else right,
+                            few_query_tokens(left))
+    return None if found is None else (*found, right)
+
+
+def _merged(node) -> tuple[fx.Node, int] | None:
+    """``x`` and its head count ``h`` where ``node`` is ``x.reshape(b·h, n, d)`` (or a
+    ``view``) of a ``(b, h, n, d)`` ``x``: keys or values with their heads merged into the
+    batch for ``bmm`` (BLOOM, XGLM, TrOCR). Row ``i·h + j`` of ``node`` is head ``j`` of
+    row ``i``, so ``unflatten(0, (-1, h))`` of the other operand gives back its heads."""
+    if op_name(node) not in ("reshape", "view") or _dims(node.args[0]) != 4 or _dims(node) != 3:
         return None
-    v_src = strip_repeat_kv(right) if isinstance(right, fx.Node) else None
-    if v_src is not None and v_src.target is RECONSTRUCT:
-        v = _bound(v_src, _RECONSTRUCT_ARGS)
-        return latent_sums, (left, v["latent"], v["basis"], v["num_heads"]), right
-    return None
+    (b, h, n, d), merged = fake(node.args[0]).shape, fake(node).shape
+    if not isinstance(h, int) or not statically_known_true(
+            (merged[0] == b * h) & (merged[1] == n) & (merged[2] == d)):
+        return None
+    return node.args[0], h
+
+
+def _merged_product(node: fx.Node):
+    """Attention with heads merged into the batch (``(b·h, t, ·)``): ``bmm(q, k.transpose(1,
+    2))``, ``baddbmm(bias, q, k.transpose(1, 2), beta=, alpha=)`` (BLOOM's ALiBi) or ``bmm(p,
+    v)`` (a 3-d ``matmul`` too) over keys or values rebuilt from a latent, as ``(function,
+    args, heads, bias terms, what it reads)``: the absorbed product of :func:`_latent_product`
+    over ``left`` unflattened to ``(b, h, t, ·)``, flattened back, then ``beta · bias +
+    alpha · product``; None for any other call."""
+    name = op_name(node)
+    if name == "baddbmm":
+        bound = _bound(node, ("input", "batch1", "batch2", "beta", "alpha"))
+        left, right = bound.get("batch1"), bound.get("batch2")
+        terms = (bound["input"], bound.get("beta", 1), bound.get("alpha", 1))
+    elif name in ("bmm", "matmul") and len(node.args) == 2 and not node.kwargs:
+        (left, right), terms = node.args, None
+    else:
+        return None
+    if _dims(left) != 3 or _dims(node) != 3:
+        return None
+    keys = _transposed_last(right, 3)
+    merged = _merged(keys if keys is not None else right)
+    if merged is None:
+        return None
+    x, heads = merged
+    found = _latent_product(left, *((x, None) if keys is not None else (None, x)),
+                            few_query_tokens(left, axis=1))
+    return None if found is None else (*found, heads, terms, right)
+
+
+def _replace_merged(graph: fx.Graph, node: fx.Node, function, args, heads: int, terms) -> None:
+    """``node`` replaced by ``function`` over ``args[0]`` unflattened to its heads, the result
+    flattened back and, for ``baddbmm``, its ``beta · input + alpha ·`` terms added."""
+    with graph.inserting_before(node):
+        left = graph.call_method("unflatten", (args[0], 0, (-1, heads)))
+        out = graph.call_method("flatten", (graph.call_function(function, (left, *args[1:])),
+                                            0, 1))
+        if terms is not None:
+            bias, beta, alpha = terms
+            if alpha != 1:
+                out = graph.call_function(operator.mul, (out, alpha))
+            if beta != 0:  # baddbmm ignores its input at beta 0
+                bias = bias if beta == 1 else graph.call_function(operator.mul, (bias, beta))
+                out = graph.call_function(operator.add, (bias, out))
+    out.meta = dict(node.meta)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def absorb_latent_attention(gm: fx.GraphModule) -> int:
     """Rewrite every SDPA whose keys and values are latent reconstructions it can read, and
-    manual attention's two products over such keys or values (``_absorbed_product``);
-    returns how many attention calls or products it rewrote."""
+    manual attention's two products over such keys or values (``_absorbed_product``, or
+    ``_merged_product`` with the heads merged into the batch); returns how many attention
+    calls or products it rewrote."""
     graph, rewritten = gm.graph, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in SDPA_TARGETS:
@@ -279,11 +355,16 @@ def absorb_latent_attention(gm: fx.GraphModule) -> int:
         erase_if_unused(graph, [a["key"], a["value"]])
         rewritten += 1
     for node in list(graph.nodes):
-        found = _absorbed_product(node) if node.op in ("call_function", "call_method") else None
-        if found is None:
+        if node.op not in ("call_function", "call_method"):
             continue
-        function, args, read = found
-        replace_call(graph, node, function, args)
+        if (found := _absorbed_product(node)) is not None:
+            function, args, read = found
+            replace_call(graph, node, function, args)
+        elif (found := _merged_product(node)) is not None:
+            function, args, heads, terms, read = found
+            _replace_merged(graph, node, function, args, heads, terms)
+        else:
+            continue
         erase_if_unused(graph, [read])
         rewritten += 1
     graph.lint()
