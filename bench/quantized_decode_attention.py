@@ -16,7 +16,12 @@ Per code width it times (``torch.compile``, Inductor, batch 1, medians over ``--
   width), per channel over groups of 32, read by ``quantized_latent_attention`` /
   dequantized first, then ``latent_attention``;
 - ``rotary fused`` / ``rotary materialised``: the same with keys cached before RoPE
-  (``quantized_rotary_latent_attention`` / ``rotary_latent_attention``).
+  (``quantized_rotary_latent_attention`` / ``rotary_latent_attention``);
+- ``manual full`` / ``manual codes`` / ``manual materialised``: eager attention as Gemma 2
+  runs it (each KV head repeated per query head as ``repeat_kv`` does, ``q @ kᵀ``, a ``tanh``
+  softcap, softmax, ``p @ v``) over the float32 cache / the plain plan's codes read by its two
+  products (``quantized_scores``, ``quantized_sums``: what ``lorc_backend`` emits) / the
+  codes dequantized first.
 
 Every quantized side holds ``context`` quantized tokens with the layer's two spare groups of
 slots, then a window of 5 tokens with two spare rows, as ``QuantizedLatentDynamicLayer`` hands
@@ -40,7 +45,8 @@ from lorc_fx.codes.integer import QuantSpec, quantize  # noqa: E402
 from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention  # noqa: E402
 from lorc_fx.compile.quantized_attention import (quantized_kv_attention,  # noqa: E402
                                                  quantized_latent_attention,
-                                                 quantized_rotary_latent_attention)
+                                                 quantized_rotary_latent_attention,
+                                                 quantized_scores, quantized_sums)
 
 HEADS, KV_HEADS, HEAD_DIM, GROUP, WINDOW, SPARE_GROUPS, SPARE_ROWS = 9, 3, 64, 32, 5, 2, 2
 
@@ -87,6 +93,24 @@ def dequantized(s):
     return torch.cat([dequantize_codes_math(*codes), window], dim=2)[:, :, :tokens]
 
 
+SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
+
+
+def repeated(x):
+    """``repeat_kv``: each KV head's copies side by side, ``(b, HEADS, n, d)``."""
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, HEADS // h, n, d).reshape(b, HEADS, n, d)
+
+
+def softcapped(scores):
+    return torch.softmax(torch.tanh(scores * HEAD_DIM ** -0.5 / SOFTCAP) * SOFTCAP, dim=-1)
+
+
+def manual(q, k, v):
+    """Gemma 2's eager attention over float keys and values ``(b, KV_HEADS, n, d)``."""
+    return softcapped(q @ repeated(k).transpose(2, 3)) @ repeated(v)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=4096)
@@ -105,8 +129,10 @@ def main():
     sdpa = inductor(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                     q, k, v)
     base = median_ms(sdpa, args.runs)
+    manual_full = median_ms(inductor(manual, q, k, v), args.runs)
     print(f"context {n}, batch 1, {torch.get_num_threads()} thread(s); sdpa over float32 "
           f"K/V: {base:.3f} ms")
+    print(f"{'':>4} {'manual full':<22} {manual_full:8.3f} {manual_full / base:7.2f}")
     print(f"{'bits':>4} {'case':<22} {'ms':>8} {'/ sdpa':>7}")
     for bits in args.bits:
         ks = side(k, QuantSpec.per_channel(bits, GROUP))
@@ -132,6 +158,10 @@ def main():
             "rotary materialised": (lambda q, *t: rotary_latent_attention(
                 q, dequantized(side_of(kl, t[:4])), cos, sin, dequantized(side_of(vl, t[4:])),
                 k_basis, v_basis, KV_HEADS, "half"), kl, vl),
+            "manual codes": (lambda q, *t: quantized_sums(softcapped(quantized_scores(
+                q, side_of(ks, t[:4]))), side_of(vs, t[4:])), ks, vs),
+            "manual materialised": (lambda q, *t: manual(
+                q, dequantized(side_of(ks, t[:4])), dequantized(side_of(vs, t[4:]))), ks, vs),
         }
         for name, (fn, k_side, v_side) in cases.items():
             ms = median_ms(inductor(fn, q, *flat(k_side), *flat(v_side)), args.runs)

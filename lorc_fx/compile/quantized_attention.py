@@ -122,6 +122,42 @@ def quantized_kv_attention(query, k_side, v_side, attn_mask=None, scale: float |
     return values.sums(keys.weights_for(values, probs)).view(b, h, t, -1).to(query.dtype)
 
 
+def quantized_scores(query, k_side):
+    """Manual attention's ``q @ kᵀ`` (unscaled) of a few query tokens ``(b, h, t, w)`` over a
+    key side read from its codes: raw keys ``(b, h_kv, n, w)``, query head ``i`` reading kv
+    head ``i // (h / h_kv)``, or a latent ``(b, 1, n, w)``. Returns ``(b, h, t, n)`` over the
+    side's tokens, as the product over the side dequantized gives."""
+    b, h, t, _ = query.shape
+    keys = positions(k_side)
+    scores = keys.scores(query.reshape(b, keys.heads, h // keys.heads * t, -1))
+    return scores.index_select(-1, keys.position_of_token()).view(b, h, t, -1).to(query.dtype)
+
+
+def quantized_sums(probs, v_side):
+    """Manual attention's ``p @ v`` of weights ``(b, h, t, n)`` over a value side's tokens read
+    from its codes (raw or a latent, grouped as :func:`quantized_scores`): ``(b, h, t, w)``."""
+    b, h, t, _ = probs.shape
+    values = positions(v_side)
+    weights = values.spread(probs.float(), -1)  # zero at positions holding no token
+    out = values.sums(weights.reshape(b, values.heads, h // values.heads * t, -1))
+    return out.view(b, h, t, -1).to(probs.dtype)
+
+
+def quantized_latent_scores(query, k_side, k_basis, num_kv_heads: int):
+    """``latent_scores`` over a latent key side read from its codes (:func:`quantized_scores`):
+    the query through each head's block of ``k_basis``, then scored as rows of the latent's
+    one head."""
+    blocks = head_blocks(k_basis, num_kv_heads, query.shape[1])
+    return quantized_scores(torch.einsum("bhtd,hrd->bhtr", query, blocks), k_side)
+
+
+def quantized_latent_sums(probs, v_side, v_basis, num_kv_heads: int):
+    """``latent_sums`` over a latent value side read from its codes (:func:`quantized_sums`),
+    then out through each head's block of ``v_basis``."""
+    blocks = head_blocks(v_basis, num_kv_heads, probs.shape[1])
+    return torch.einsum("bhtr,hrd->bhtd", quantized_sums(probs, v_side), blocks.to(probs.dtype))
+
+
 def _fused_applies(keys: "_Positions", values: "_Positions", attn_mask) -> bool:
     """Whether ``lorc::code_attention``'s C++ kernel runs a plain plan's decode attention: keys
     per channel and values per token in widths and groups it reads, each token at the same

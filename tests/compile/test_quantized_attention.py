@@ -28,13 +28,16 @@ from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.cache.layers import LatentDynamicLayer
 from lorc_fx.cache.stores.integer import IntegerStore
 from lorc_fx.compile.backend import LorcBackend, lorc_backend
-from lorc_fx.compile.latent_attention import latent_attention, rotary_latent_attention
+from lorc_fx.compile.latent_attention import (latent_attention, latent_scores, latent_sums,
+                                              rotary_latent_attention)
 from lorc_fx.compile import quantized_attention
 from lorc_fx.compile.passes import absorb_latent_attention as absorb_module
 from lorc_fx.compile.passes.absorb_latent_attention import absorb_latent_attention
 from lorc_fx.compile.quantized_attention import (SUM_CHUNK, quantized_kv_attention,
                                                  quantized_latent_attention,
-                                                 quantized_rotary_latent_attention)
+                                                 quantized_latent_scores, quantized_latent_sums,
+                                                 quantized_rotary_latent_attention,
+                                                 quantized_scores, quantized_sums)
 from lorc_fx.kernels.code_reductions import native_applies
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.plan.planner import layer_inputs, plain_quantized_plan, value_token_group
@@ -155,6 +158,41 @@ def test_latent_quantized_attention_equals_latent_attention_over_the_dequantized
                                     attn_mask=attn_mask, scale=0.3, use_kernel=False)
         got = quantized_latent_attention(q, *sides(layer), k_basis, v_basis, h_kv,
                                          attn_mask=attn_mask, scale=0.3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@SIDE_SETTINGS
+@given(filling=fillings(), heads=HEADS, batch=st.integers(1, 2), t=st.integers(1, 3),
+       rank=st.integers(0, 6), seed=st.integers(0, 99))
+def test_manual_products_read_from_codes_equal_those_over_the_dequantized_cache(
+        filling, heads, batch, t, rank, seed):
+    """Manual attention's ``q @ kᵀ`` and ``p @ v`` read from the codes: a plain plan's keys
+    per channel and values per token (``rank`` 0; query head ``i`` reading kv head ``i //
+    (h / h_kv)``, as ``repeat_kv`` pairs them), or latents per channel through their bases."""
+    (bits, group, chunks), (h, h_kv) = filling, heads
+    gen = torch.Generator().manual_seed(seed)
+    if rank:
+        k_basis, v_basis = (orthonormal_rows(rank, h_kv * D, gen) for _ in range(2))
+        spec = QuantSpec.per_channel(bits, group)
+        layer = filled_layer(LatentCodec(k_basis, v_basis, h_kv), spec, spec, batch, h_kv,
+                             chunks, gen)
+    else:
+        layer = filled_layer(LatentCodec(None, None, h_kv), QuantSpec.per_channel(bits, group),
+                             QuantSpec.per_token(bits, value_token_group(D, group)), batch,
+                             h_kv, chunks, gen)
+    keys, values = layer.latents()
+    k_side, v_side = sides(layer)
+    q = torch.randn(batch, h, t, D, generator=gen)
+    probs = torch.randn(batch, h, t, keys.shape[-2], generator=gen).softmax(-1)
+    if rank:
+        expected = (latent_scores(q, keys, k_basis, h_kv),
+                    latent_sums(probs, values, v_basis, h_kv))
+        got = (quantized_latent_scores(q, k_side, k_basis, h_kv),
+               quantized_latent_sums(probs, v_side, v_basis, h_kv))
+    else:
+        repeat = lambda x: x.repeat_interleave(h // h_kv, 1)  # noqa: E731
+        expected = (q @ repeat(keys).transpose(-1, -2), probs @ repeat(values))
+        got = quantized_scores(q, k_side), quantized_sums(probs, v_side)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -350,23 +388,27 @@ def compiled_generate(model, backend, ids, mask, new_tokens, **kwargs):
     return out, graphs, sum(counters["graph_break"].values())
 
 
-def assert_decode_reads_codes(backend, graphs, layers: int):
-    """Every attention of every decode graph rewritten, and no dequantization left in them
-    (the first graph is the prefill)."""
-    assert [r.absorbed for r in backend.reports[1:]] == [layers] * (len(graphs) - 1)
+def assert_decode_reads_codes(backend, graphs, rewrites: int):
+    """Every attention (SDPA, or manual attention's two products) of every decode graph
+    rewritten, ``rewrites`` a graph, and no dequantization left in them (the first graph is
+    the prefill)."""
+    assert [r.absorbed for r in backend.reports[1:]] == [rewrites] * (len(graphs) - 1)
     for gm in graphs[1:]:
         targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
         assert not targets & {DEQUANTIZE, dequantize_codes_math}
 
 
-@pytest.mark.parametrize("mode, bits", [
-    ("commute", 8), ("reconstruct", 4), ("plain", 4),
-    pytest.param("commute", 4, marks=pytest.mark.slow),
-    pytest.param("reconstruct", 8, marks=pytest.mark.slow),
-    pytest.param("plain", 8, marks=pytest.mark.slow)])
-def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monkeypatch):
+@pytest.mark.parametrize("family, mode, bits", [
+    ("llama", "commute", 8), ("llama", "reconstruct", 4), ("llama", "plain", 4),
+    ("gemma2", "commute", 4), ("gpt_oss", "plain", 8),
+    pytest.param("llama", "commute", 4, marks=pytest.mark.slow),
+    pytest.param("llama", "reconstruct", 8, marks=pytest.mark.slow),
+    pytest.param("llama", "plain", 8, marks=pytest.mark.slow)])
+def test_compiled_generate_over_quantized_latents_matches_eager(family, mode, bits, monkeypatch):
     """Groups of 8, a prompt of 6 (shorter than a group) and 64 new tokens: 8 groups settle.
     Prefill (more tokens than the patched ``MAX_DECODE_QUERY``) reads the cache dequantized.
+    Gemma 2 (softcap) and gpt-oss (sinks) run manual attention: each of its two products
+    reads the codes.
 
     Graphs: 3 — prefill, the decode steps while no group is stored (a prompt shorter than a
     group: a count of 0 coded tokens, which dynamo specialises), then one graph for every later
@@ -374,7 +416,7 @@ def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monk
     (``LatentCache.mark_dynamic``; never 0 or 1: spare rows and slots), and a group settles
     inside the graph, so no length or settling compiles another."""
     monkeypatch.setattr(absorb_module, "MAX_DECODE_QUERY", 2)
-    model = build(config_for("llama", heads=4, kv_heads=2, layers=2))
+    model = build(config_for(family, heads=4, kv_heads=2, layers=2))
     ids, mask = prompt(length=6)
     compress_quantized(model, mode, bits, group=8)
     expected = generate(model, ids, mask, new_tokens=64)
@@ -386,7 +428,8 @@ def test_compiled_generate_over_quantized_latents_matches_eager(mode, bits, monk
                                atol=1e-4, rtol=1e-4)
     assert breaks == 0
     assert len(graphs) == 3
-    assert_decode_reads_codes(backend, graphs, model.config.num_hidden_layers)
+    products = 1 if family == "llama" else 2
+    assert_decode_reads_codes(backend, graphs, products * model.config.num_hidden_layers)
 
 
 @pytest.mark.parametrize("bits, cache", [(8, "dynamic"), (4, "static")])

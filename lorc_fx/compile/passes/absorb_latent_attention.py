@@ -45,7 +45,8 @@ Manual attention (``matmul(q, k.transpose(2, 3))``, whatever the model does to t
 ``matmul(p, v)``: softcaps, sink logits) has each product rewritten on its own: keys rebuilt
 from a latent into ``latent_scores`` (before RoPE, in decode graphs: ``pre_rope_scores`` at
 scale 1), values into ``latent_sums``; what lies between stays (docs/design.md, "Manual
-attention"). The same products with the heads merged into the batch (``bmm`` and
+attention"). In decode graphs a product over a side stored as codes (latent or raw keys and
+values) reads the codes (``quantized_scores`` / ``quantized_sums`` and their latent forms). The same products with the heads merged into the batch (``bmm`` and
 ``baddbmm`` over ``(b·h, t, ·)``: BLOOM, XGLM, TrOCR) read the query or weights unflattened to
 their heads and give the result merged back.
 
@@ -67,7 +68,9 @@ from lorc_fx.compile.latent_attention import (latent_attention, latent_scores, l
                                               rotary_latent_attention)
 from lorc_fx.compile.quantized_attention import (FUSED_BITS, KEY_AXES, VALUE_AXES, VECTOR,
                                                  quantized_kv_attention, quantized_latent_attention,
-                                                 quantized_rotary_latent_attention)
+                                                 quantized_latent_scores, quantized_latent_sums,
+                                                 quantized_rotary_latent_attention,
+                                                 quantized_scores, quantized_sums)
 from lorc_fx.cache.latent_ops import DEQUANTIZE, RECONSTRUCT, ROTATED_RECONSTRUCT
 from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.cache.stores.vector_ops import VECTOR_LATENTS
@@ -239,39 +242,54 @@ def _transposed_last(node, dims: int) -> fx.Node | None:
     return node.args[0]
 
 
-def _latent_product(left: fx.Node, keys: fx.Node | None, values, decode: bool):
-    """``(function, args)`` of the absorbed form of ``left @ keysᵀ`` (``keys`` given) or
-    ``left @ values``, all ``(b, h, ·, ·)``, where those keys or values are rebuilt from a
-    latent; None otherwise. Keys cached before RoPE are scored from their latent in decode
-    graphs only (as ``rotary_latent_attention``)."""
+def _stored_product(left: fx.Node, keys: fx.Node | None, values, decode: bool):
+    """``(function, args)`` of the form of ``left @ keysᵀ`` (``keys`` given) or ``left @
+    values``, all ``(b, h, ·, ·)``, that reads what the cache stores: keys or values rebuilt
+    from a latent read through it (absorbed), and in decode graphs, a latent or raw side
+    stored as codes read from them (``compile.quantized_attention``); None otherwise. Keys
+    cached before RoPE are scored from their latent in decode graphs only (as
+    ``rotary_latent_attention``)."""
     if keys is not None:
         k_src = strip_repeat_kv(keys)
         if k_src.target is RECONSTRUCT:
             k = _bound(k_src, _RECONSTRUCT_ARGS)
+            if side := _coded(k["latent"], KEY_AXES, decode):
+                return quantized_latent_scores, (left, side, k["basis"], k["num_heads"])
             return latent_scores, (left, k["latent"], k["basis"], k["num_heads"])
         if k_src.target is ROTATED_RECONSTRUCT and decode:
             k = _bound(k_src, _ROTATED_ARGS)
             return pre_rope_scores, (left, k["latent"], k["cos"], k["sin"], k["basis"],
                                      k["num_heads"], k["style"], k.get("pairs"), 1.0)
-        return None
+        side = _coded(k_src, KEY_AXES, decode)
+        return None if side is None else (quantized_scores, (left, side))
     v_src = strip_repeat_kv(values) if isinstance(values, fx.Node) else None
     if v_src is not None and v_src.target is RECONSTRUCT:
         v = _bound(v_src, _RECONSTRUCT_ARGS)
+        if side := _coded(v["latent"], VALUE_AXES, decode):
+            return quantized_latent_sums, (left, side, v["basis"], v["num_heads"])
         return latent_sums, (left, v["latent"], v["basis"], v["num_heads"])
-    return None
+    side = _coded(v_src, VALUE_AXES, decode) if v_src is not None else None
+    return None if side is None else (quantized_sums, (left, side))
+
+
+def _coded(node: fx.Node, axes: tuple[int, ...], decode: bool):
+    """``node`` as a side of ``compile.quantized_attention`` where it is stored as codes that
+    module reads (``_side``), in a decode graph; None otherwise."""
+    side = _side(node, axes) if decode else None
+    return side if side is not None and side[0] is not None else None
 
 
 def _absorbed_product(node: fx.Node):
-    """Manual attention's ``matmul(q, k.transpose(2, 3))`` over keys rebuilt from a latent,
-    or ``matmul(p, v)`` over values rebuilt from one, as ``(function, args, what it reads)``
-    of its absorbed form; None for any other product. Whatever manual attention does between
+    """Manual attention's ``matmul(q, k.transpose(2, 3))`` or ``matmul(p, v)`` over keys or
+    values the cache stores as latents or codes (:func:`_stored_product`), as ``(function,
+    args, what it reads)`` of the form that reads them; None for any other product. Whatever manual attention does between
     the two products (scale, mask, softcap, sink logits, softmax) stays."""
     if op_name(node) != "matmul" or len(node.args) != 2 or node.kwargs \
             or not _dims(node) == _dims(node.args[0]) == 4:
         return None
     left, right = node.args
     keys = _transposed_last(right, 4)
-    found = _latent_product(left, keys, None if keys is not None else right,
+    found = _stored_product(left, keys, None if keys is not None else right,
                             few_query_tokens(left))
     return None if found is None else (*found, right)
 
@@ -293,8 +311,8 @@ def _merged(node) -> tuple[fx.Node, int] | None:
 def _merged_product(node: fx.Node):
     """Attention with heads merged into the batch (``(b·h, t, ·)``): ``bmm(q, k.transpose(1,
     2))``, ``baddbmm(bias, q, k.transpose(1, 2), beta=, alpha=)`` (BLOOM's ALiBi) or ``bmm(p,
-    v)`` (a 3-d ``matmul`` too) over keys or values rebuilt from a latent, as ``(function,
-    args, heads, bias terms, what it reads)``: the absorbed product of :func:`_latent_product`
+    v)`` (a 3-d ``matmul`` too) over keys or values stored as latents or codes, as ``(function,
+    args, heads, bias terms, what it reads)``: the absorbed product of :func:`_stored_product`
     over ``left`` unflattened to ``(b, h, t, ·)``, flattened back, then ``beta · bias +
     alpha · product``; None for any other call."""
     name = op_name(node)
@@ -313,7 +331,7 @@ def _merged_product(node: fx.Node):
     if merged is None:
         return None
     x, heads = merged
-    found = _latent_product(left, *((x, None) if keys is not None else (None, x)),
+    found = _stored_product(left, *((x, None) if keys is not None else (None, x)),
                             few_query_tokens(left, axis=1))
     return None if found is None else (*found, heads, terms, right)
 
