@@ -214,7 +214,8 @@ def test_sliding_window_layers_store_codes_at_default_options(family, layers):
     """Every layer compresses (Gemma 3 was refused below 0.839 when its sliding layers stayed
     full; two layers: all sliding), and a context within the window (64 tokens, a window of
     128) holds exactly the bytes the report says; past the window the sliding layers hold
-    it alone, and (Qwen2) a static cache holds them in a ring of codes, compiled as eager."""
+    it alone, and (Qwen2) a static cache holds them in a ring of codes, compiled as eager,
+    within the window (decode reads the ring's first slots from their codes) and past it."""
     model = _sliding_model(family, layers, window=128)
     report = lorc_fx.compress(model, 0.3, progress=False)
     assert report.plan.cache_fraction <= 0.3
@@ -226,6 +227,12 @@ def test_sliding_window_layers_store_codes_at_default_options(family, layers):
     cache = out.past_key_values
     assert LatentSlidingLayer in [type(l) for l in cache.layers]
     assert cache.cache_bytes() == report.cache_bytes_per_token()[1] * ids.numel()
+    if family == "qwen2_sliding":  # a static ring while the window fills, its decode compiled
+        static = model.generate(ids, max_new_tokens=2, do_sample=False,
+                                cache_implementation="static")
+        with compiled(model, lorc_backend.with_options(inductor=False)):
+            assert torch.equal(model.generate(ids, max_new_tokens=2, do_sample=False,
+                                              cache_implementation="static"), static)
     model.config.sliding_window = 4  # and past a window (the cache reads it from the config)
     out = _generate(model, return_dict_in_generate=True)
     sliding = [l for l in out.past_key_values.layers if isinstance(l, LatentSlidingLayer)]

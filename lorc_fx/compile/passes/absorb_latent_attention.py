@@ -116,8 +116,10 @@ def _side(node: fx.Node, axes: tuple[int, ...]):
     (``narrow``), or a bare ``lorc.dequantize`` give the op's arguments (in its order) as
     ``codes``; any other node is a side kept in the model's dtype, ``(None, node, None)``.
     ``lorc.vector_latents`` (product vector codes) gives ``(VECTOR, *its arguments)``.
+    A bare ``lorc.dequantize`` cut to its first ``tokens`` slots (a static sliding layer's
+    ring before the window fills) is those slots' codes: its ``length`` becomes ``tokens``.
     ``None`` for codes those functions do not read (a width not in ``FUSED_BITS``, a layout
-    not in ``axes``)."""
+    not in ``axes``, a cut whose length is not static, vector codes cut)."""
     whole, tokens = node, None
     if _is_narrow_of_first_tokens(node):
         whole, tokens = node.args[0], node.args[3]
@@ -128,12 +130,17 @@ def _side(node: fx.Node, axes: tuple[int, ...]):
         if len(parts) == 2 and dim in (-2, 2) and getattr(parts[0], "target", None) is DEQUANTIZE:
             codes, window = parts
     if codes.target is VECTOR_LATENTS:
-        return (VECTOR, *(_bound(codes, _VECTOR_ARGS)[name] for name in _VECTOR_ARGS))
+        return None if tokens is not None else (
+            VECTOR, *(_bound(codes, _VECTOR_ARGS)[name] for name in _VECTOR_ARGS))
     if codes.target is not DEQUANTIZE:
         return None, node, None
     bound = _bound(codes, _DEQUANTIZE_ARGS)
     if bound["bits"] not in FUSED_BITS or bound["axis"] not in axes:
         return None
+    if window is None and tokens is not None:  # the first slots of a bare buffer
+        if not isinstance(tokens, int) or not isinstance(bound["length"], int):
+            return None
+        bound["length"] = min(bound["length"], tokens)
     return tuple(bound[name] for name in _DEQUANTIZE_ARGS), window, tokens
 
 
