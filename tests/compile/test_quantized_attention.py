@@ -400,15 +400,15 @@ def assert_decode_reads_codes(backend, graphs, rewrites: int):
 
 @pytest.mark.parametrize("family, mode, bits", [
     ("llama", "commute", 8), ("llama", "reconstruct", 4), ("llama", "plain", 4),
-    ("gemma2", "commute", 4), ("gpt_oss", "plain", 8),
+    ("gemma2", "commute", 4), ("gpt_oss", "plain", 8), ("bloom", "plain", 4),
     pytest.param("llama", "commute", 4, marks=pytest.mark.slow),
     pytest.param("llama", "reconstruct", 8, marks=pytest.mark.slow),
     pytest.param("llama", "plain", 8, marks=pytest.mark.slow)])
 def test_compiled_generate_over_quantized_latents_matches_eager(family, mode, bits, monkeypatch):
     """Groups of 8, a prompt of 6 (shorter than a group) and 64 new tokens: 8 groups settle.
     Prefill (more tokens than the patched ``MAX_DECODE_QUERY``) reads the cache dequantized.
-    Gemma 2 (softcap) and gpt-oss (sinks) run manual attention: each of its two products
-    reads the codes.
+    Gemma 2 (softcap), gpt-oss (sinks) and BLOOM (heads merged into the batch, ALiBi) run
+    manual attention: each of its two products reads the codes.
 
     Graphs: 3 — prefill, the decode steps while no group is stored (a prompt shorter than a
     group: a count of 0 coded tokens, which dynamo specialises), then one graph for every later
