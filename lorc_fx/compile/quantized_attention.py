@@ -7,7 +7,8 @@ the triple ``(codes, window, tokens)``: ``codes`` the arguments of ``lorc::dequa
 ``(payload, scale, zero, bits, group, axis, length, width)``, or ``None`` for a side kept in
 the model's dtype; ``window`` the full-precision rows after the codes' ``length`` tokens
 ``(b, h_kv, rows, width)`` or ``None``; ``tokens`` the side's token count, or ``None`` for
-all of ``length + rows``.
+all of ``length + rows``. A static sliding layer's full ring is ``(codes, None, None,
+order)``: every slot's codes, and the slot each of the window's tokens sits at.
 
 Dequantizing first would write a full-precision copy of the cache every step and read it
 back. Here the score and output reductions are broadcast products and sums over the
@@ -27,7 +28,8 @@ Attention runs over a side's *positions*: the codes' slots, then the window's ro
 ``tokens`` (a window's spare rows) hold no token: they are masked out of the softmax and weigh
 nothing. The mask is gathered from tokens to positions; values laid out like the keys (one
 layer's two sides) take the probabilities as they are, others gather them by token. Packed
-codes unpack in order (``codes.integer.pack_bits``), so positions follow the tokens.
+codes unpack in order (``codes.integer.pack_bits``), so positions follow the tokens; with an
+``order`` token ``i`` is at slot ``order[i]`` and the slots it does not name hold no token.
 
 Layouts (``codes/integer.py``): per channel (``axis`` -2) the payload is ``(b, h, width, groups,
 group·bits/8)`` along the tokens, scale/zero ``(b, h, width, groups)``; per token (-1) it is
@@ -109,7 +111,7 @@ def quantized_kv_attention(query, k_side, v_side, attn_mask=None, scale: float |
     ``i // (h / h_kv)``. Returns ``(b, h, t, d)``."""
     b, h, t, d = query.shape
     scale = d ** -0.5 if scale is None else scale
-    keys, values = _Positions(*k_side), _Positions(*v_side)
+    keys, values = positions(k_side), positions(v_side)
     kv_heads = keys.heads
     grouped = query.reshape(b, kv_heads, h // kv_heads * t, d)  # the query heads of each kv head
     if _fused_applies(keys, values, attn_mask):
@@ -168,8 +170,8 @@ def _fused_applies(keys: "_Positions", values: "_Positions", attn_mask) -> bool:
         return False
     (*_, k_bits, k_group, k_axis, _, _, _), (*_, v_bits, v_group, v_axis, _, _, _) = (
         keys.codes, values.codes)
-    same_positions = keys.slots == values.slots or (
-        keys.rows == 0 and keys.length <= values.slots <= keys.slots)
+    same_positions = keys.order is values.order and (keys.slots == values.slots or (
+        keys.rows == 0 and keys.length <= values.slots <= keys.slots))
     return (k_axis == -2 and v_axis == -1 and same_positions
             and keys.length == values.length and keys.rows == values.rows
             and keys.tokens == values.tokens
@@ -179,7 +181,7 @@ def _fused_applies(keys: "_Positions", values: "_Positions", attn_mask) -> bool:
 
 
 def positions(side) -> "_Positions":
-    """A side as ``_Positions``: ``(codes, window, tokens)``, or a vector-coded side
+    """A side as ``_Positions``: ``(codes, window, tokens[, order])``, or a vector-coded side
     ``(VECTOR, payload, tables, window, coded, tokens, sink, sink_at)``."""
     if side[0] == VECTOR:
         return _VectorPositions(*side[1:])
@@ -187,14 +189,17 @@ def positions(side) -> "_Positions":
 
 
 class _Positions:
-    """A side ``(codes, window, tokens)`` and the order of its positions: the codes' slots as
-    stored, then the window's rows."""
+    """A side ``(codes, window, tokens[, order])`` and the order of its positions: the codes'
+    slots as stored, then the window's rows. With ``order`` (a ring's codes, no window) token
+    ``i`` sits at slot ``order[i]`` and the slots it does not name hold no token."""
 
-    def __init__(self, codes, window, tokens):
-        self.codes, self.window = codes, window
+    def __init__(self, codes, window, tokens, order=None):
+        self.codes, self.window, self.order = codes, window, order
         self.length = 0 if codes is None else codes[6]
         self.rows = 0 if window is None else window.shape[-2]
         self.tokens = self.length + self.rows if tokens is None else tokens
+        if order is not None:
+            self.tokens = order.shape[0]
         anchor = window if codes is None else codes[0]
         self.heads, self.device = anchor.shape[1], anchor.device
         if codes is None:
@@ -204,6 +209,9 @@ class _Positions:
 
     def held(self):
         """Whether each position holds a token ``(positions,)``."""
+        if self.order is not None:
+            held = torch.zeros(self.slots, dtype=torch.bool, device=self.device)
+            return held.index_fill(0, self.order, True)
         slots = torch.arange(self.slots, device=self.device) < self.length
         rows = torch.arange(self.rows, device=self.device) < self.tokens - self.length
         return torch.cat([slots, rows])
@@ -213,6 +221,10 @@ class _Positions:
         holds no token). Slices and a concatenation: no gather for a fused loop to do, and no
         piece as short as the window's tokens (which may be 0 or 1)."""
         dim %= x.dim()
+        if self.order is not None:
+            shape = list(x.shape)
+            shape[dim] = self.slots
+            return x.new_zeros(shape).index_copy(dim, self.order, x)
         pad = [0, 0] * (x.dim() - 1 - dim) + [0, self.rows + self.length - self.tokens]
         parts = [F.pad(x, pad).narrow(dim, self.length, self.rows)]
         if self.codes is not None:
@@ -227,6 +239,8 @@ class _Positions:
 
     def position_of_token(self):
         """Where each token ``0 .. tokens - 1`` sits among the positions ``(tokens,)``."""
+        if self.order is not None:
+            return self.order
         tokens = torch.arange(self.tokens, device=self.device)
         return torch.where(tokens < self.length, tokens, tokens + (self.slots - self.length))
 
@@ -278,7 +292,7 @@ class _Positions:
         as they are where both sides hold their tokens in the same positions (one layer's two
         sides), else gathered by token (zero where ``other`` holds no token)."""
         if (type(self) is type(other) and (self.codes is None) == (other.codes is None)
-                and self.slots == other.slots):
+                and self.slots == other.slots and self.order is other.order):
             torch._check(self.length == other.length)
             torch._check(self.rows == other.rows)
             return probs
@@ -304,7 +318,7 @@ class _VectorPositions(_Positions):
     where their kernel serves; elsewhere they multiply the codes decoded."""
 
     def __init__(self, payload, tables, window, coded, tokens, sink, sink_at):
-        self.codes, self.window = (list(payload), list(tables)), window
+        self.codes, self.window, self.order = (list(payload), list(tables)), window, None
         self.length, self.rows, self.tokens = coded, window.shape[-2], tokens
         self.heads, self.device = 1, window.device
         self.slots = payload[0].shape[-1] // layout_of(tables)[0][3] * BLOCK

@@ -240,8 +240,11 @@ def test_sliding_window_layers_store_codes_at_default_options(family, layers):
     if family == "qwen2_sliding":  # a static cache: sliding layers in a ring of codes
         static = _generate(model, cache_implementation="static", return_dict_in_generate=True)
         assert LatentStaticSlidingLayer in [type(l) for l in static.past_key_values.layers]
-        with compiled(model, lorc_backend.with_options(inductor=False)):
+        backend = lorc_backend.with_options(inductor=False)
+        with compiled(model, backend):
             assert torch.equal(_generate(model, cache_implementation="static"), static.sequences)
+        # the decode step reads every layer from its codes, the ring's in the window's order
+        assert [r.absorbed for r in backend.reports] == [0, layers]  # prefill: as computed
 
 
 # hybrid layers (Mamba state and attention in one cache layer) and indexed ones (sparse

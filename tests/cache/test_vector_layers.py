@@ -289,6 +289,28 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
         assert layer.k_store.sink_at.tolist() == [0, 2]
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "bloom"])
+def test_manual_attention_reads_the_codes_in_compiled_decode(family):
+    """Manual attention over vector codes (gpt-oss: ``matmul`` products with a sink logit
+    between; BLOOM: heads merged into the batch, ``baddbmm`` with ALiBi): compiled (the
+    passes, without Inductor) its decode graph scores and sums every layer from the codes,
+    no latent decoded, and generates the eager tokens."""
+    model = build(config_for(family, heads=4, kv_heads=2, layers=2))
+    compress(model, plan=_vector_plan(model, BUDGET))
+    ids, mask = prompt(length=6)
+    eager = generate(model, ids, mask, new_tokens=12)
+    backend = lorc_backend.with_options(inductor=False)
+    with compiled(model, backend):
+        got = generate(model, ids, mask, new_tokens=12)
+        with torch.profiler.profile() as profile:
+            generate(model, ids, mask, new_tokens=12)
+    assert torch.equal(got.sequences, eager.sequences)
+    attentions = 12 * model.config.num_hidden_layers  # the prompt (read as stored) and 11 steps
+    calls = Counter(e.name for e in profile.events())
+    assert calls["lorc::vector_scores"] == calls["lorc::vector_sums"] == attentions
+    assert calls["lorc::vector_decode"] == calls["lorc::vector_latents"] == 0
+
+
 @pytest.mark.inductor
 def test_inductor_decodes_the_eager_tokens(model, plan):
     """Through the whole backend, Inductor included, over a static cache (the one

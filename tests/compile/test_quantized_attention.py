@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from torch import fx
 from transformers import LlamaConfig
 from transformers.cache_utils import DynamicCache
@@ -193,6 +193,54 @@ def test_manual_products_read_from_codes_equal_those_over_the_dequantized_cache(
         repeat = lambda x: x.repeat_interleave(h // h_kv, 1)  # noqa: E731
         expected = (q @ repeat(keys).transpose(-1, -2), probs @ repeat(values))
         got = quantized_scores(q, k_side), quantized_sums(probs, v_side)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@SIDE_SETTINGS
+@given(filling=fillings(), heads=HEADS, batch=st.integers(1, 2), t=st.integers(1, 3),
+       mask=st.sampled_from(["none", "bool", "float"]), rank=st.integers(0, 6),
+       data=st.data(), seed=st.integers(0, 99))
+def test_codes_read_in_a_token_order_equal_attention_over_them_gathered(
+        filling, heads, batch, t, mask, rank, data, seed):
+    """A static sliding layer's ring once its window is full hands every slot's codes and
+    ``order``, the slot of each of the window's tokens (``(codes, None, None, order)``):
+    SDPA (plain or absorbed) and manual attention's products over them equal those over the
+    codes dequantized and gathered in that order; the slots it does not name weigh nothing."""
+    (bits, group, chunks), (h, h_kv) = filling, heads
+    gen = torch.Generator().manual_seed(seed)
+    if rank:
+        k_basis, v_basis = (orthonormal_rows(rank, h_kv * D, gen) for _ in range(2))
+        spec = QuantSpec.per_channel(bits, group)
+        layer = filled_layer(LatentCodec(k_basis, v_basis, h_kv), spec, spec, batch, h_kv,
+                             chunks, gen)
+    else:
+        layer = filled_layer(LatentCodec(None, None, h_kv), QuantSpec.per_channel(bits, group),
+                             QuantSpec.per_token(bits, value_token_group(D, group)), batch,
+                             h_kv, chunks, gen)
+    codes = [side(store.codes, None, None)[0] for store in (layer.k_store, layer.v_store)]
+    length = codes[0][6]
+    assume(length > 0 and codes[1][6] == length)
+    order = torch.randperm(length, generator=gen)[:data.draw(st.integers(1, length))]
+    k_side, v_side = ((c, None, None, order) for c in codes)
+    keys, values = (dequantize_codes_math(*c).index_select(2, order) for c in codes)
+    q = torch.randn(batch, h, t, D, generator=gen)
+    attn_mask = attention_mask(mask, batch, t, len(order), gen)
+    probs = torch.randn(batch, h, t, len(order), generator=gen).softmax(-1)
+    if rank:
+        expected = (latent_attention(q, keys, values, k_basis, v_basis, h_kv,
+                                     attn_mask=attn_mask, scale=0.3, use_kernel=False),
+                    latent_scores(q, keys, k_basis, h_kv), latent_sums(probs, values, v_basis, h_kv))
+        got = (quantized_latent_attention(q, k_side, v_side, k_basis, v_basis, h_kv,
+                                          attn_mask=attn_mask, scale=0.3),
+               quantized_latent_scores(q, k_side, k_basis, h_kv),
+               quantized_latent_sums(probs, v_side, v_basis, h_kv))
+    else:
+        repeat = lambda x: x.repeat_interleave(h // h_kv, 1)  # noqa: E731
+        expected = (F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
+                                                   scale=0.3, enable_gqa=True),
+                    q @ repeat(keys).transpose(-1, -2), probs @ repeat(values))
+        got = (quantized_kv_attention(q, k_side, v_side, attn_mask=attn_mask, scale=0.3),
+               quantized_scores(q, k_side), quantized_sums(probs, v_side))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

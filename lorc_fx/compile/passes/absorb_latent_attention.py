@@ -20,7 +20,8 @@ attention, and scores never materialised), and the ops are lowered to maths.
 A quantized cache side reaches the graph as its codes dequantized, then its full-precision
 window: ``cat([lorc.dequantize(codes...), window], dim=-2)``, cut to the side's tokens by a
 ``narrow`` where the window has spare rows (``QuantizedLatentDynamicLayer``), or the
-``lorc.dequantize`` node alone for a side with no window (a static cache's whole buffer). It is the latent of a
+``lorc.dequantize`` node alone for a side with no window (a static cache's whole buffer),
+cut to its first slots or gathered in token order (a static sliding layer's ring). It is the latent of a
 reconstruct above, or, in a plain quantized plan, the keys or values themselves. In decode
 graphs (the same condition) an SDPA with a quantized side becomes the matching function of
 ``compile.quantized_attention`` (``quantized_latent_attention``,
@@ -111,18 +112,23 @@ def _is_decode(sdpa: dict) -> bool:
 
 
 def _side(node: fx.Node, axes: tuple[int, ...]):
-    """``node`` as a side ``(codes, window, tokens)`` for ``compile.quantized_attention``:
+    """``node`` as a side ``(codes, window, tokens[, order])`` for ``compile.quantized_attention``:
     ``cat([lorc.dequantize(...), window], dim=-2)``, maybe cut to its first ``tokens`` rows
     (``narrow``), or a bare ``lorc.dequantize`` give the op's arguments (in its order) as
     ``codes``; any other node is a side kept in the model's dtype, ``(None, node, None)``.
     ``lorc.vector_latents`` (product vector codes) gives ``(VECTOR, *its arguments)``.
     A bare ``lorc.dequantize`` cut to its first ``tokens`` slots (a static sliding layer's
     ring before the window fills) is those slots' codes: its ``length`` becomes ``tokens``.
-    ``None`` for codes those functions do not read (a width not in ``FUSED_BITS``, a layout
-    not in ``axes``, a cut whose length is not static, vector codes cut)."""
-    whole, tokens = node, None
+    A bare ``lorc.dequantize`` gathered along the tokens (``index_select(2, order)``: the
+    ring once the window is full, its tokens in order) is every slot's codes and ``order``,
+    the slot each token sits at: ``(codes, None, None, order)``. ``None`` for codes those
+    functions do not read (a width not in ``FUSED_BITS``, a layout not in ``axes``, a cut
+    whose length is not static, vector codes cut or gathered, a window gathered with them)."""
+    whole, tokens, order = node, None, None
     if _is_narrow_of_first_tokens(node):
         whole, tokens = node.args[0], node.args[3]
+    elif (gathered := _gathered_slots(node)) is not None:
+        whole, order = gathered
     codes, window = whole, None
     if whole.target is torch.cat:
         parts = whole.args[0]
@@ -130,13 +136,16 @@ def _side(node: fx.Node, axes: tuple[int, ...]):
         if len(parts) == 2 and dim in (-2, 2) and getattr(parts[0], "target", None) is DEQUANTIZE:
             codes, window = parts
     if codes.target is VECTOR_LATENTS:
-        return None if tokens is not None else (
+        return None if tokens is not None or order is not None else (
             VECTOR, *(_bound(codes, _VECTOR_ARGS)[name] for name in _VECTOR_ARGS))
     if codes.target is not DEQUANTIZE:
         return None, node, None
     bound = _bound(codes, _DEQUANTIZE_ARGS)
     if bound["bits"] not in FUSED_BITS or bound["axis"] not in axes:
         return None
+    if order is not None:  # every slot of a bare buffer, and where each token sits
+        codes = tuple(bound[name] for name in _DEQUANTIZE_ARGS)
+        return None if window is not None else (codes, None, None, order)
     if window is None and tokens is not None:  # the first slots of a bare buffer
         if not isinstance(tokens, int) or not isinstance(bound["length"], int):
             return None
@@ -149,6 +158,15 @@ def _is_narrow_of_first_tokens(node: fx.Node) -> bool:
     is_narrow = (node.op == "call_method" and node.target == "narrow") or \
         (node.op == "call_function" and node.target is torch.narrow)
     return is_narrow and len(node.args) == 4 and node.args[1] in (2, -2) and node.args[2] == 0
+
+
+def _gathered_slots(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(x, order)`` of ``x.index_select(2, order)`` (dim 2 or -2) of a ``(b, h, n, width)``
+    side, else None."""
+    if op_name(node) != "index_select":
+        return None
+    bound = _bound(node, ("input", "dim", "index"))
+    return (bound["input"], bound["index"]) if bound.get("dim") in (2, -2) else None
 
 
 def _reads_codes(k_side, v_side) -> bool:
