@@ -161,6 +161,19 @@ def test_latent_quantized_attention_equals_latent_attention_over_the_dequantized
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def plain_or_latent_layer(rank: int, bits: int, group: int, chunks, batch: int, h_kv: int, gen):
+    """A filled layer and its bases: a plain plan's (``rank`` 0: keys per channel, values per
+    token, no bases) or latents of ``rank`` per channel through random orthonormal bases."""
+    if not rank:
+        return filled_layer(LatentCodec(None, None, h_kv), QuantSpec.per_channel(bits, group),
+                            QuantSpec.per_token(bits, value_token_group(D, group)), batch,
+                            h_kv, chunks, gen), None, None
+    k_basis, v_basis = (orthonormal_rows(rank, h_kv * D, gen) for _ in range(2))
+    spec = QuantSpec.per_channel(bits, group)
+    return filled_layer(LatentCodec(k_basis, v_basis, h_kv), spec, spec, batch, h_kv, chunks,
+                        gen), k_basis, v_basis
+
+
 @SIDE_SETTINGS
 @given(filling=fillings(), heads=HEADS, batch=st.integers(1, 2), t=st.integers(1, 3),
        rank=st.integers(0, 6), seed=st.integers(0, 99))
@@ -171,15 +184,7 @@ def test_manual_products_read_from_codes_equal_those_over_the_dequantized_cache(
     (h / h_kv)``, as ``repeat_kv`` pairs them), or latents per channel through their bases."""
     (bits, group, chunks), (h, h_kv) = filling, heads
     gen = torch.Generator().manual_seed(seed)
-    if rank:
-        k_basis, v_basis = (orthonormal_rows(rank, h_kv * D, gen) for _ in range(2))
-        spec = QuantSpec.per_channel(bits, group)
-        layer = filled_layer(LatentCodec(k_basis, v_basis, h_kv), spec, spec, batch, h_kv,
-                             chunks, gen)
-    else:
-        layer = filled_layer(LatentCodec(None, None, h_kv), QuantSpec.per_channel(bits, group),
-                             QuantSpec.per_token(bits, value_token_group(D, group)), batch,
-                             h_kv, chunks, gen)
+    layer, k_basis, v_basis = plain_or_latent_layer(rank, bits, group, chunks, batch, h_kv, gen)
     keys, values = layer.latents()
     k_side, v_side = sides(layer)
     q = torch.randn(batch, h, t, D, generator=gen)
@@ -208,15 +213,7 @@ def test_codes_read_in_a_token_order_equal_attention_over_them_gathered(
     codes dequantized and gathered in that order; the slots it does not name weigh nothing."""
     (bits, group, chunks), (h, h_kv) = filling, heads
     gen = torch.Generator().manual_seed(seed)
-    if rank:
-        k_basis, v_basis = (orthonormal_rows(rank, h_kv * D, gen) for _ in range(2))
-        spec = QuantSpec.per_channel(bits, group)
-        layer = filled_layer(LatentCodec(k_basis, v_basis, h_kv), spec, spec, batch, h_kv,
-                             chunks, gen)
-    else:
-        layer = filled_layer(LatentCodec(None, None, h_kv), QuantSpec.per_channel(bits, group),
-                             QuantSpec.per_token(bits, value_token_group(D, group)), batch,
-                             h_kv, chunks, gen)
+    layer, k_basis, v_basis = plain_or_latent_layer(rank, bits, group, chunks, batch, h_kv, gen)
     codes = [side(store.codes, None, None)[0] for store in (layer.k_store, layer.v_store)]
     length = codes[0][6]
     assume(length > 0 and codes[1][6] == length)
