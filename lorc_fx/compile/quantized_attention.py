@@ -197,9 +197,9 @@ class _Positions:
         self.codes, self.window, self.order = codes, window, order
         self.length = 0 if codes is None else codes[6]
         self.rows = 0 if window is None else window.shape[-2]
+        if order is not None:  # the window's tokens, each at the slot it names
+            tokens = order.shape[0]
         self.tokens = self.length + self.rows if tokens is None else tokens
-        if order is not None:
-            self.tokens = order.shape[0]
         anchor = window if codes is None else codes[0]
         self.heads, self.device = anchor.shape[1], anchor.device
         if codes is None:
