@@ -53,9 +53,10 @@ def gemma3_270m_shaped(window: int) -> Gemma3ForCausalLM:
 
 
 def compile_decode(model, backend) -> None:
-    """``model``'s one-token forward calls (the decode steps) compiled with ``backend``, the
-    prefill eager: a compiled prefill past the window writes the ring a group at a time in
-    every sliding layer, a graph Inductor was still compiling after 15 minutes here."""
+    """``model``'s one-token forward calls (the decode steps, what this bench times)
+    compiled with ``backend``, the prefill eager: it would only add its compile time (a few
+    minutes for either model). Not ``CompileConfig(backend=...)``: ``generate`` deep-copies
+    it, and with it the backend, so each timed call compiled afresh."""
     eager, compiled = model.forward, torch.compile(model.forward, backend=backend)
 
     @functools.wraps(eager)  # generate checks its arguments against forward's signature

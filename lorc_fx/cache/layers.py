@@ -454,8 +454,8 @@ class LatentStaticSlidingLayer(_PrefillAsComputed, _FixedAddresses, StaticSlidin
     ``update`` returns), each side held by the static store of its code in a **ring buffer**
     of ``ring`` token slots, token ``p`` at slot ``p mod ring``: the window ``W`` (the
     layer's ``max_cache_len``: the sliding window, or fewer) rounded up to whole groups of G,
-    plus two groups, so a write (at most G tokens at a time, the groups it stages included)
-    never reaches a slot a token of the window still holds.
+    plus two groups, so a write of at most ``W + G - 1`` tokens (the groups it stages
+    included) never reaches a slot a token of the window still holds.
 
     What ``update`` returns, as transformers' layer: while the window is not yet full, its
     ``W`` slots in order (positions past the length are masked), as stored; a single token
@@ -503,11 +503,17 @@ class LatentStaticSlidingLayer(_PrefillAsComputed, _FixedAddresses, StaticSlidin
         return tuple(side.index_select(2, index) for side in sides)
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, read_back: bool = False):
-        """Write ``k``, ``v`` at ``position`` on, at most G tokens at a time; with
-        ``read_back``, return them as stored (each piece read while the ring still holds it)."""
-        stored = []
-        for at in range(0, k.shape[-2], self.group):
-            chunk_k, chunk_v = k[..., at:at + self.group, :], v[..., at:at + self.group, :]
+        """Write ``k``, ``v`` at ``position`` on; with ``read_back``, G tokens at a time, and
+        return them as stored (each piece read while the ring still holds it).
+
+        Without it, in one write a side (a compiled prefill's graph holds one write a layer,
+        not one per group of its window): the callers write at most ``W + G - 1`` tokens, whose
+        groups and the one a write stages past them, at most ``W / G + 2``, fit in the ring,
+        and the groups they reach are the written tokens' own or past the oldest the window
+        keeps."""
+        stored, step = [], self.group if read_back else max(k.shape[-2], 1)
+        for at in range(0, k.shape[-2], step):
+            chunk_k, chunk_v = k[..., at:at + step, :], v[..., at:at + step, :]
             positions = torch.arange(chunk_k.shape[-2], device=self.device) + self.position
             self.k_store.write(self.keys, chunk_k, positions % self.ring, self.position)
             self.v_store.write(self.values, chunk_v, positions % self.ring, self.position)

@@ -118,7 +118,9 @@ def test_a_static_sliding_layer_returns_what_transformers_static_sliding_layer_d
     reference = StaticSlidingWindowLayer(32, WINDOW)
     layer = LatentStaticSlidingLayer(32, WINDOW, LatentCodec(None, None, HEADS), *codes)
     atol = 0.02 if bits == 8 else 0.25
-    for step, tokens in enumerate((3, 1, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1, 13, 1) * 2):
+    # fills, decodes past the window, continues with 9 and 13 tokens (read back), and
+    # prefills 40 (as computed: more than PREFILL_TOKENS, from an unaligned position)
+    for step, tokens in enumerate((3, 1, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1, 13, 1, 40, 1, 1) * 2):
         if step == 14:
             for l in (reference, layer):
                 l.reorder_cache(torch.tensor([1, 0]))
@@ -136,6 +138,27 @@ def test_a_static_sliding_layer_returns_what_transformers_static_sliding_layer_d
     assert layer.ring == 16  # the window (6) in whole groups of 4, and two groups more
     layer.reset()
     assert layer.get_seq_length() == 0 and int(layer.position) == 0
+
+
+def test_a_static_sliding_prefill_past_the_window_writes_what_it_keeps_once_a_side(monkeypatch):
+    """A prefill writes the tokens its window keeps in one write a side, not one per group:
+    a compiled prefill's graph holds one write a layer however long the window."""
+    from lorc_fx.cache import LatentStaticSlidingLayer
+
+    codes = (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))
+    layer = LatentStaticSlidingLayer(64, 24, LatentCodec(None, None, HEADS), *codes)
+    writes = []
+    for store in (layer.k_store, layer.v_store):
+        monkeypatch.setattr(store, "write", lambda *a, write=store.write: (writes.append(
+            a[1].shape[-2]), write(*a))[1])
+    k, v = _states(45, 0)
+    got_k, got_v = layer.update(k, v)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)  # a prefill reads its own as computed
+    assert writes == [25, 25]  # from the last whole group the window of 24 reaches: 20..44
+    next_k, next_v = _states(1, 1)
+    got_k, _ = layer.update(next_k, next_v)  # the window's last 23 as stored, then the new one
+    torch.testing.assert_close(got_k, torch.cat([k[..., 22:, :], next_k], dim=-2), atol=0.03,
+                               rtol=0)
 
 
 def test_a_static_cache_codes_a_sliding_layer_in_a_ring_and_keeps_a_full_one_as_built():

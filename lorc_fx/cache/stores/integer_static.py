@@ -27,8 +27,8 @@ on data and a compiled decode step traces once for every position.
 A sliding-window layer's store is a **ring** (``allocate(..., ring=True)``,
 ``cache.LatentStaticSlidingLayer``): ``max_cache_len`` whole groups of slots and no spare one,
 token ``p`` at slot ``p mod max_cache_len`` (group ``g`` at group slot ``g mod`` their count);
-the layer writes at most G tokens at a time and sizes the ring so no write reaches a slot the
-window still reads.
+the layer writes at most ``W + G - 1`` tokens at a time (W its window) and sizes the ring so
+no write reaches a slot the window still reads.
 
 A group's codes are always computed from its tokens in full precision (the window), never
 from codes, so nothing is rounded twice; once the window has moved past a group its codes are
