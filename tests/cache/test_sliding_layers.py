@@ -161,6 +161,29 @@ def test_a_static_sliding_prefill_past_the_window_writes_what_it_keeps_once_a_si
                                rtol=0)
 
 
+@pytest.mark.parametrize("before", [0, 3, 26])
+def test_a_static_sliding_prefill_stores_what_writing_it_a_group_at_a_time_stores(before):
+    """After the one write the decode steps read, bit for bit, what they read after all the
+    prefill's tokens written G at a time (the read-back path of ``prefill_as_stored``; slots
+    no window reads differ): a group's codes depend on its tokens alone, and no group the
+    write stages lands on a slot the window still reads (from an empty layer, from within a
+    group, from past the window)."""
+    from lorc_fx.cache import LatentStaticSlidingLayer
+
+    codes = (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))
+    one, pieces = (LatentStaticSlidingLayer(64, 24, LatentCodec(None, None, HEADS), *codes)
+                   for _ in range(2))
+    pieces.prefill_as_stored = True
+    for seed, tokens in enumerate((before, 47)):
+        if tokens:
+            for layer in (one, pieces):
+                layer.update(*_states(tokens, seed))
+    for seed in (2, 3):  # a decode step reads the window's last 23 tokens and its own
+        read_one, read_pieces = (layer.update(*_states(1, seed)) for layer in (one, pieces))
+        assert read_one[0].shape[-2] == 24
+        assert all(torch.equal(a, b) for a, b in zip(read_one, read_pieces))
+
+
 def test_a_static_cache_codes_a_sliding_layer_in_a_ring_and_keeps_a_full_one_as_built():
     from transformers import Gemma3TextConfig
     from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
