@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from lorc_fx.cache import LatentCodec, LatentSlidingLayer
+from lorc_fx.cache import LatentCodec, LatentSlidingLayer, LatentStaticSlidingLayer
 from lorc_fx.codes.integer import QuantSpec
 
 WINDOW, GROUP, HEADS, DIM = 6, 4, 2, 8
@@ -15,11 +15,20 @@ WINDOW, GROUP, HEADS, DIM = 6, 4, 2, 8
 STEPS = (3, 1, 1, 1, 1, 1, 9, 1, 1, 2, 1)
 
 
+def _codes(bits: int = 8):
+    """Keys per channel in groups of GROUP tokens, values per token."""
+    return QuantSpec.per_channel(bits, GROUP), QuantSpec.per_token(bits, DIM)
+
+
 def _layers(coded: bool):
-    codes = ((QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM)) if coded
-             else (None, None))
+    codes = _codes() if coded else (None, None)
     return (DynamicSlidingWindowLayer(WINDOW),
             LatentSlidingLayer(WINDOW, LatentCodec(None, None, HEADS), *codes))
+
+
+def _static_layer(max_cache_len: int, window: int, bits: int = 8) -> LatentStaticSlidingLayer:
+    return LatentStaticSlidingLayer(max_cache_len, window, LatentCodec(None, None, HEADS),
+                                    *_codes(bits))
 
 
 def _states(tokens: int, seed: int, batch: int = 2):
@@ -112,11 +121,8 @@ def test_a_static_sliding_layer_returns_what_transformers_static_sliding_layer_d
     positions the mask lets through), beams, and reset."""
     from transformers.cache_utils import StaticSlidingWindowLayer
 
-    from lorc_fx.cache import LatentStaticSlidingLayer
-
-    codes = (QuantSpec.per_channel(bits, GROUP), QuantSpec.per_token(bits, DIM))
     reference = StaticSlidingWindowLayer(32, WINDOW)
-    layer = LatentStaticSlidingLayer(32, WINDOW, LatentCodec(None, None, HEADS), *codes)
+    layer = _static_layer(32, WINDOW, bits)
     atol = 0.02 if bits == 8 else 0.25
     # fills, decodes past the window, continues with 9 and 13 tokens (read back), and
     # prefills 40 (as computed: more than PREFILL_TOKENS, from an unaligned position)
@@ -143,14 +149,17 @@ def test_a_static_sliding_layer_returns_what_transformers_static_sliding_layer_d
 def test_a_static_sliding_prefill_past_the_window_writes_what_it_keeps_once_a_side(monkeypatch):
     """A prefill writes the tokens its window keeps in one write a side, not one per group:
     a compiled prefill's graph holds one write a layer however long the window."""
-    from lorc_fx.cache import LatentStaticSlidingLayer
+    layer = _static_layer(64, 24)
+    writes = []  # the tokens of each write
 
-    codes = (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))
-    layer = LatentStaticSlidingLayer(64, 24, LatentCodec(None, None, HEADS), *codes)
-    writes = []
+    def counted(write):
+        def counted_write(window, states, positions, start):
+            writes.append(states.shape[-2])
+            write(window, states, positions, start)
+        return counted_write
+
     for store in (layer.k_store, layer.v_store):
-        monkeypatch.setattr(store, "write", lambda *a, write=store.write: (writes.append(
-            a[1].shape[-2]), write(*a))[1])
+        monkeypatch.setattr(store, "write", counted(store.write))
     k, v = _states(45, 0)
     got_k, got_v = layer.update(k, v)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)  # a prefill reads its own as computed
@@ -168,11 +177,7 @@ def test_a_static_sliding_prefill_stores_what_writing_it_a_group_at_a_time_store
     no window reads differ): a group's codes depend on its tokens alone, and no group the
     write stages lands on a slot the window still reads (from an empty layer, from within a
     group, from past the window)."""
-    from lorc_fx.cache import LatentStaticSlidingLayer
-
-    codes = (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))
-    one, pieces = (LatentStaticSlidingLayer(64, 24, LatentCodec(None, None, HEADS), *codes)
-                   for _ in range(2))
+    one, pieces = _static_layer(64, 24), _static_layer(64, 24)
     pieces.prefill_as_stored = True
     for seed, tokens in enumerate((before, 47)):
         if tokens:
@@ -188,12 +193,12 @@ def test_a_static_cache_codes_a_sliding_layer_in_a_ring_and_keeps_a_full_one_as_
     from transformers import Gemma3TextConfig
     from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 
-    from lorc_fx.cache import LatentCache, LatentStaticSlidingLayer
+    from lorc_fx.cache import LatentCache
 
     config = Gemma3TextConfig(num_hidden_layers=1, layer_types=["sliding_attention"],
                               sliding_window=4, num_key_value_heads=HEADS, head_dim=DIM)
     bases = {0: LatentCodec(None, None, HEADS)}
-    codes = {0: (QuantSpec.per_channel(8, GROUP), QuantSpec.per_token(8, DIM))}
+    codes = {0: _codes()}
     coded = LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases, codes)
     assert type(coded.layers[0]) is LatentStaticSlidingLayer
     kept = LatentCache.from_codecs(StaticCache(config=config, max_cache_len=16), bases)

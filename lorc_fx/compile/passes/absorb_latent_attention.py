@@ -143,14 +143,16 @@ def _side(node: fx.Node, axes: tuple[int, ...]):
     bound = _bound(codes, _DEQUANTIZE_ARGS)
     if bound["bits"] not in FUSED_BITS or bound["axis"] not in axes:
         return None
-    if order is not None:  # every slot of a bare buffer, and where each token sits
-        codes = tuple(bound[name] for name in _DEQUANTIZE_ARGS)
-        return None if window is not None else (codes, None, None, order)
+    if order is not None and window is not None:
+        return None
     if window is None and tokens is not None:  # the first slots of a bare buffer
         if not isinstance(tokens, int) or not isinstance(bound["length"], int):
             return None
         bound["length"] = min(bound["length"], tokens)
-    return tuple(bound[name] for name in _DEQUANTIZE_ARGS), window, tokens
+    codes = tuple(bound[name] for name in _DEQUANTIZE_ARGS)
+    if order is not None:  # every slot of a bare buffer, and where each token sits
+        return codes, None, None, order
+    return codes, window, tokens
 
 
 def _is_narrow_of_first_tokens(node: fx.Node) -> bool:
