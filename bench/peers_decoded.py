@@ -111,7 +111,8 @@ def write(doc: dict, stem: str) -> None:
     (RESULTS / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
     names = {name.split()[0] for rows in doc["texts"].values() for name in rows}
     peers = ", ".join(p for key, p in (("quanto", "quanto"), ("hqq", "HQQ")) if key in names)
-    lines = [f"# Decode-time quality: LoRC against transformers' QuantizedCache ({peers})", "",
+    against = f"transformers' QuantizedCache ({peers})" if peers else "the full cache"
+    lines = [f"# Decode-time quality: LoRC against {against}", "",
              f"`python bench/peers_decoded.py` ({doc['machine']}). Each window: "
              f"{PROMPT} tokens as a prompt, then one token a step; the {WINDOW - PROMPT} "
              "tokens after the prompt scored; ratio = perplexity ÷ the full cache's on the same tokens. "
