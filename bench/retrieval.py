@@ -18,9 +18,12 @@ take tens of minutes to plan on 2 cores).
 ``--one-prefill``: the full cache and every plan answer each prompt from one forward of it
 (``retrieval.answers_sharing_prefill``: a compressed cache's prefill computes what the full
 model's does, so one forward writes every cache; each then decodes on its own, as ``generate``
-would, tested token for token against it). At 8k tokens the prompt's forward is ~1.5 min of
-one thread and each plan's eight steps seconds, so this is what makes 8k affordable. Progress
-is kept after every prompt (``OUT.json``'s ``partial``); quanto still runs ``generate``.
+would, tested token for token against it). Quanto's caches are written by that forward too
+(its prefill hands back the keys and values it was given, so the forward is the full model's;
+its answers matched ``generate``'s token for token on 6 multikey prompts of 1k tokens, int4 and
+int2, 2026-12-03). At 8k tokens the prompt's forward is ~1.5 min of one thread and each cache's
+eight steps seconds, so this is what makes 8k affordable. Progress is kept after every prompt
+(``OUT.json``'s ``partial``).
 ``--shard K/N`` runs every N-th prompt from the K-th (one process a core, each its own
 ``--out``); a last run with ``--merge`` of the shards' files writes the rows.
 
@@ -55,15 +58,20 @@ from lorc_fx.eval.retrieval import (Accuracy, accuracy, answers,  # noqa: E402
 QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
 
 
-def quanto_answers(model, tokenizer, samples, bits: int) -> list[str]:
-    """Greedy answers through a fresh ``QuantizedCache`` (quanto, ``bits``) per prompt."""
+def quanto_cache(model, bits: int):
+    """A fresh ``QuantizedCache`` (quanto, ``bits``, its other options the defaults)."""
     from transformers.cache_utils import QuantizedCache
 
-    config = model.config.get_text_config(decoder=True)
+    return QuantizedCache(backend="quanto", config=model.config.get_text_config(decoder=True),
+                          nbits=bits)
+
+
+def quanto_answers(model, tokenizer, samples, bits: int) -> list[str]:
+    """Greedy answers through a fresh ``QuantizedCache`` (quanto, ``bits``) per prompt."""
     out = []
     for s in tqdm(samples, desc=f"quanto int{bits}", leave=False):
         ids = torch.tensor([s.input_ids])
-        cache = QuantizedCache(backend="quanto", config=config, nbits=bits)
+        cache = quanto_cache(model, bits)
         seq = model.generate(ids, past_key_values=cache, max_new_tokens=NEW_TOKENS,
                              min_new_tokens=NEW_TOKENS, do_sample=False)
         out.append(tokenizer.decode(seq[0, ids.shape[1]:]))
@@ -97,8 +105,9 @@ def write_table(result: dict, path: Path) -> None:
              f"{result['machine']['cpu']}, {result['machine']['cores']} cores (shared), "
              f"{result['machine']['threads']} thread(s), torch {result['machine']['torch']}. "
              "Produced by `bench/retrieval.py`"
-             + (" `--one-prefill`: one forward of each prompt wrote the full cache and every "
-                "plan's, each then decoding on its own as `generate` would."
+             + (" `--one-prefill`: one forward of each prompt wrote every cache (the full "
+                "cache, each plan's, quanto's), each then decoding on its own as `generate` "
+                "would."
                 if s.get("one_prefill") else "."), "",
              "| method | bits per value | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
              "|---|---|" + "---|" * len(lengths)]
@@ -148,9 +157,10 @@ def install(model, b: float, plans: dict):
             else lorc_fx.compress(model, bits_per_value=b))
 
 
-def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, result: dict,
-                saved: Path, shard: tuple[int, int]) -> None:
-    """Rows of the full cache and of every budget's plan, from one prefill a prompt. The
+def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, quanto: list[int],
+                result: dict, saved: Path, shard: tuple[int, int]) -> None:
+    """Rows of the full cache, of every budget's plan and of quanto at each of ``quanto``'s
+    widths, from one prefill a prompt. The
     outputs so far are kept in ``result["partial"][length][method][prompt index]`` after
     every prompt; ``shard`` ``(k, n)``: only the prompts whose index is ``k`` modulo ``n``
     (another process's shard merged in with ``--merge``). A length's rows are written once
@@ -158,7 +168,9 @@ def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, re
     installed = {}
     for b in budgets:
         installed[f"lorc {b:g}"] = install(model, b, plans).plan
-    bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()}}
+    peers = {f"quanto int{b}": lambda b=b: quanto_cache(model, b) for b in quanto}
+    bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()},
+            **{f"quanto int{b}": b + 2 * 16 / QUANTO_GROUP for b in quanto}}
     blocks = lorc_fx.analyze(model)
     done = {(r["method"], r["length"]) for r in result["rows"]}
     for n, prompts in samples.items():
@@ -172,7 +184,8 @@ def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, re
                 if i % shard[1] == shard[0] and str(i) not in partial["full cache"]]
         for i in tqdm(todo, desc=f"{n} tokens"):
             start = time.perf_counter()
-            outputs = answers_sharing_prefill(model, tok, prompts[i:i + 1], installed, blocks)
+            outputs = answers_sharing_prefill(model, tok, prompts[i:i + 1], installed, blocks,
+                                              peers)
             for m in bits:
                 partial[m][str(i)] = outputs[m][0]
             partial["seconds"] += time.perf_counter() - start
@@ -223,6 +236,7 @@ def main() -> None:
     args = ap.parse_args()
     lengths = parse_lengths(args.lengths)
     budgets = [float(b) for b in args.budgets.split(",") if b]
+    quanto = [int(b) for b in args.quanto.split(",") if b]
     plans = dict(item.split("=", 1) for item in args.plans.split(",") if item)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +269,7 @@ def main() -> None:
     if args.one_prefill:
         merge_partial(result, [Path(f) for f in args.merge.split(",") if f], lengths)
         shard = tuple(int(k) for k in args.shard.split("/"))
-        one_prefill(model, tok, samples, budgets, plans, result, saved, shard)
+        one_prefill(model, tok, samples, budgets, plans, quanto, result, saved, shard)
     else:
         run("full cache", 16.0, lambda s: answers(model, tok, s, compressed=False))
     for b in budgets:
@@ -265,7 +279,7 @@ def main() -> None:
         report = install(model, b, plans)
         name_bits = report.plan.bits_per_value
         run(name, name_bits, lambda s: answers(model, tok, s, compressed=True))
-    for bits in [int(b) for b in args.quanto.split(",") if b]:
+    for bits in [] if args.one_prefill else quanto:
         run(f"quanto int{bits}", bits + 2 * 16 / QUANTO_GROUP,
             lambda s, bits=bits: quanto_answers(model, tok, s, bits))
     write_table(result, Path(f"{out}.md"))

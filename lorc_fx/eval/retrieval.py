@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+from transformers.cache_utils import Cache
 
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.data.retrieval_tasks import MIN_LENGTH, NEW_TOKENS, TASKS, Sample, make_samples
@@ -90,10 +92,12 @@ def answers(model: nn.Module, tokenizer, samples: list[Sample], compressed: bool
 
 @torch.no_grad()
 def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
-                            plans: dict[str, Plan], blocks: list[AttentionBlock]
+                            plans: dict[str, Plan], blocks: list[AttentionBlock],
+                            peers: dict[str, Callable[[], Cache]] | None = None
                             ) -> dict[str, list[str]]:
-    """Greedy answers of the full cache (``"full cache"``) and of each plan's latent cache
-    (by name) to every prompt, as :func:`answers` gives them, with one prefill a prompt for
+    """Greedy answers of the full cache (``"full cache"``), of each plan's latent cache and of
+    each of ``peers``' caches (a fresh one by name, e.g. transformers' ``QuantizedCache``) to
+    every prompt, as ``generate`` gives them, with one prefill a prompt for
     all: the prompt's forward writes every cache (``search.one_prefill``), then every cache
     decodes ``NEW_TOKENS`` greedy tokens, side by side in one forward a step, each row its own
     cache (end-of-text suppressed, as ``generate``'s ``min_new_tokens``). A long prompt's
@@ -103,19 +107,21 @@ def answers_sharing_prefill(model: nn.Module, tokenizer, samples: list[Sample],
     angles."""
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    out: dict[str, list[str]] = {name: [] for name in [FULL, *plans]}
+    out: dict[str, list[str]] = {name: [] for name in [FULL, *plans, *(peers or {})]}
     for s in tqdm(samples, desc="one prefill, every cache", leave=False):
         # one prompt's caches at a time: they are freed before the next prompt's prefill
-        for name, row in zip(out, _greedy_sharing_prefill(model, s, plans, blocks, eos),
+        for name, row in zip(out, _greedy_sharing_prefill(model, s, plans, blocks, eos, peers),
                              strict=True):
             out[name].append(tokenizer.decode(row))
     return out
 
 
 def _greedy_sharing_prefill(model: nn.Module, sample: Sample, plans: dict[str, Plan],
-                            blocks: list[AttentionBlock], eos: list[int]) -> list[list[int]]:
-    """The greedy tokens of the full cache, then of each plan's, after one prefill."""
-    with side_by_side(model, sample.input_ids, plans, blocks) as (logits, cache):
+                            blocks: list[AttentionBlock], eos: list[int],
+                            peers: dict[str, Callable[[], Cache]] | None) -> list[list[int]]:
+    """The greedy tokens of the full cache, then of each plan's and each peer's, after one
+    prefill."""
+    with side_by_side(model, sample.input_ids, plans, blocks, peers) as (logits, cache):
         return _greedy_steps(model, logits, cache, len(sample.input_ids), eos).tolist()
 
 

@@ -9,10 +9,15 @@ steps, a few answer tokens) are read back through the codes, as a decode step re
 ``side_by_side`` reads every cache in one forward of as many rows, each row its own cache.
 A hybrid model's convolution and recurrent states are the full model's after the prefill
 (written to the full cache alone), one copy a row from then on.
+
+Caches of other kinds (``peers``: transformers' ``QuantizedCache``, say) are written by the
+same forward where, as ``QuantizedCache`` does, their prefill hands back the keys and values
+it was given, so that forward is theirs too.
 """
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -31,16 +36,16 @@ FULL = "full cache"
 
 class _PrefillTee(DynamicCache):
     """A plain cache whose writes are also written to ``latents`` (each a plan's fresh latent
-    cache): one prefill fills them all. ``angles_handed`` reaches the ``latents`` through the
-    tee."""
+    cache) and ``peers`` (fresh caches of other kinds): one prefill fills them all.
+    ``angles_handed`` reaches the ``latents`` through the tee."""
 
-    def __init__(self, config, latents: list[LatentCache]):
+    def __init__(self, config, latents: list[LatentCache], peers: list[Cache]):
         super().__init__(config=config)
-        self.latents = latents
+        self.latents, self.peers = latents, peers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        for latent in self.latents:
-            latent.update(key_states, value_states, layer_idx, *args, **kwargs)
+        for written in (*self.latents, *self.peers):
+            written.update(key_states, value_states, layer_idx, *args, **kwargs)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
@@ -103,32 +108,36 @@ Prefilled = list[tuple[str, object, Plan | None]]  # (name, cache, plan), the fu
 
 
 def prefilled(model: nn.Module, input_ids: list[int], plans: dict[str, Plan],
-              blocks: list[AttentionBlock]) -> tuple[torch.Tensor, Prefilled]:
+              blocks: list[AttentionBlock], peers: dict[str, Callable[[], Cache]] | None = None
+              ) -> tuple[torch.Tensor, Prefilled]:
     """The last logits of one forward of ``input_ids``, and the caches it wrote: the full
-    cache (``FULL``, plan ``None``) and each plan's latent cache, by name."""
+    cache (``FULL``, plan ``None``), each plan's latent cache, then each of ``peers``' (a
+    fresh cache by name, plan ``None``), by name."""
     if len(input_ids) <= PREFILL_TOKENS:
         raise ValueError(f"one prefill serves every cache only for prompts of more than "
                          f"{PREFILL_TOKENS} tokens (a latent cache reads a shorter one back as "
                          f"stored), not {len(input_ids)}")
     config = model.config.get_text_config(decoder=True)
     ids = torch.tensor([input_ids], device=next(model.parameters()).device)
+    peers = {name: fresh() for name, fresh in (peers or {}).items()}
     tee = _PrefillTee(config, [LatentCache.from_cache(DynamicCache(config=config), p)
-                               for p in plans.values()])
+                               for p in plans.values()], list(peers.values()))
     with angles_handed(model, blocks, *plans.values()):
         logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=tee,
                        use_cache=True).logits[:, -1]
     caches = dict(zip(plans, tee.latents))
-    tee.latents = []  # the tee reads on as the full cache
-    return logits, [(FULL, tee, None), *((n, caches[n], p) for n, p in plans.items())]
+    tee.latents, tee.peers = [], []  # the tee reads on as the full cache
+    return logits, [(FULL, tee, None), *((n, caches[n], p) for n, p in plans.items()),
+                    *((n, cache, None) for n, cache in peers.items())]
 
 
 @contextmanager
 def side_by_side(model: nn.Module, input_ids: list[int], plans: dict[str, Plan],
-                 blocks: list[AttentionBlock]):
+                 blocks: list[AttentionBlock], peers: dict[str, Callable[[], Cache]] | None = None):
     """One prefill of ``input_ids`` (:func:`prefilled`), then its caches, the full cache's
-    first and each plan's after, read as one (``SideBySide``) with every plan's RoPE angles
-    handed: yields the prefill's last logits, one row a cache, and that cache."""
-    logits, caches = prefilled(model, input_ids, plans, blocks)
+    first, each plan's and each peer's after, read as one (``SideBySide``) with every plan's
+    RoPE angles handed: yields the prefill's last logits, one row a cache, and that cache."""
+    logits, caches = prefilled(model, input_ids, plans, blocks, peers)
     with angles_handed(model, blocks, *plans.values()):
         yield logits.expand(len(caches), -1), SideBySide([cache for _, cache, _ in caches])
 

@@ -156,6 +156,41 @@ def test_one_prefill_for_every_cache_answers_as_generate_does(loaded):
     assert shared["reconstruct"] != shared["full cache"]  # so a cache not read would show
 
 
+def _rounded_cache(layers: int):
+    """A cache of transformers' ``QuantizedLayer`` kind (a full-precision prefill handed back,
+    a residual window, everything requantized as it fills) that rounds its keys and values
+    to tenths and reads them back a tenth as large: a peer whose answers differ from the full
+    cache's even on the tiny model."""
+    from transformers.cache_utils import Cache, QuantizedLayer
+
+    class Rounded(QuantizedLayer):
+        def _quantize(self, tensor, axis):
+            return (10 * tensor).round()
+
+        def _dequantize(self, q_tensor):
+            return q_tensor / 100
+
+    return Cache(layers=[Rounded(residual_length=4) for _ in range(layers)])
+
+
+def test_one_prefill_writes_a_peers_cache_that_answers_as_generate_does(loaded):
+    """A peer's cache (``QuantizedCache``'s kind, in ``bench/retrieval.py``) written by the
+    prefill the full cache shares answers as ``generate`` with that cache does."""
+    from lorc_fx.eval.retrieval import answers_sharing_prefill
+
+    model, tok, blocks, _ = loaded
+    samples = make_samples(tok, "passkey", 160, 3, seed=0)
+    layers = model.config.num_hidden_layers
+    shared = answers_sharing_prefill(model, tok, samples, {}, blocks,
+                                     {"rounded": lambda: _rounded_cache(layers)})
+    for s, answer in zip(samples, shared["rounded"], strict=True):
+        ids = torch.tensor([s.input_ids])
+        seq = model.generate(ids, past_key_values=_rounded_cache(layers), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        assert answer == tok.decode(seq[0, ids.shape[1]:])
+    assert shared["rounded"] != shared["full cache"]  # so a cache not read would show
+
+
 def test_one_prefill_refuses_a_prompt_a_latent_cache_reads_back_as_stored(loaded):
     from lorc_fx.cache.layers import PREFILL_TOKENS
     from lorc_fx.eval.retrieval import answers_sharing_prefill
