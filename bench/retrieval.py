@@ -58,6 +58,12 @@ from lorc_fx.eval.retrieval import (Accuracy, accuracy, answers,  # noqa: E402
 QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
 
 
+def quanto_bits(bits: int) -> float:
+    """Quanto's nominal bits per value at ``bits``: the codes, and a scale and a zero point
+    a group counted at 16 bits, as the plans count floats."""
+    return bits + 2 * 16 / QUANTO_GROUP
+
+
 def quanto_cache(model, bits: int):
     """A fresh ``QuantizedCache`` (quanto, ``bits``, its other options the defaults)."""
     from transformers.cache_utils import QuantizedCache
@@ -170,7 +176,7 @@ def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, qu
         installed[f"lorc {b:g}"] = install(model, b, plans).plan
     peers = {f"quanto int{b}": lambda b=b: quanto_cache(model, b) for b in quanto}
     bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()},
-            **{f"quanto int{b}": b + 2 * 16 / QUANTO_GROUP for b in quanto}}
+            **{f"quanto int{b}": quanto_bits(b) for b in quanto}}
     blocks = lorc_fx.analyze(model)
     done = {(r["method"], r["length"]) for r in result["rows"]}
     for n, prompts in samples.items():
@@ -280,7 +286,7 @@ def main() -> None:
         name_bits = report.plan.bits_per_value
         run(name, name_bits, lambda s: answers(model, tok, s, compressed=True))
     for bits in [] if args.one_prefill else quanto:
-        run(f"quanto int{bits}", bits + 2 * 16 / QUANTO_GROUP,
+        run(f"quanto int{bits}", quanto_bits(bits),
             lambda s, bits=bits: quanto_answers(model, tok, s, bits))
     write_table(result, Path(f"{out}.md"))
     print(f"wrote {out}.json, {out}.md" + (f", {out}.png" if plot(result, Path(f"{out}.png"))

@@ -119,16 +119,16 @@ def prefilled(model: nn.Module, input_ids: list[int], plans: dict[str, Plan],
                          f"stored), not {len(input_ids)}")
     config = model.config.get_text_config(decoder=True)
     ids = torch.tensor([input_ids], device=next(model.parameters()).device)
-    peers = {name: fresh() for name, fresh in (peers or {}).items()}
+    peer_caches = {name: fresh() for name, fresh in (peers or {}).items()}
     tee = _PrefillTee(config, [LatentCache.from_cache(DynamicCache(config=config), p)
-                               for p in plans.values()], list(peers.values()))
+                               for p in plans.values()], list(peer_caches.values()))
     with angles_handed(model, blocks, *plans.values()):
         logits = model(ids, attention_mask=torch.ones_like(ids), past_key_values=tee,
                        use_cache=True).logits[:, -1]
     caches = dict(zip(plans, tee.latents))
     tee.latents, tee.peers = [], []  # the tee reads on as the full cache
     return logits, [(FULL, tee, None), *((n, caches[n], p) for n, p in plans.items()),
-                    *((n, cache, None) for n, cache in peers.items())]
+                    *((n, cache, None) for n, cache in peer_caches.items())]
 
 
 @contextmanager
