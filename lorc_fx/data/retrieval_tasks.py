@@ -3,6 +3,9 @@
 - ``passkey``: one five-digit pass key hidden at a depth of filler text;
 - ``multikey``: several named pass keys; the one asked sits at the depth, the others
   (distractors) at random depths;
+- ``relay``: two hops in words (``The red fox keeps the number 12345.`` at the depth, ``The
+  blue otter has the same number as the red fox.`` later, a second chain beside them as
+  distractor); the number of the otter is asked;
 - ``vartrack``: variable tracking over two hops (``VAR A = 12345`` at the depth, ``VAR B = A``
   later, a second chain beside them as distractor); the value of ``B`` is asked.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-TASKS = ("passkey", "multikey", "vartrack")
+TASKS = ("passkey", "multikey", "relay", "vartrack")
 HELD_OUT = "vartrack"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where the needle sits, as a share of the filler
 NEW_TOKENS = 8  # generated per prompt: a five-digit answer in any tokenizer, and a margin
@@ -80,6 +83,15 @@ def _facts(task: str, depth: float, rng: random.Random) -> tuple[list[tuple[floa
                  for i, (name, key) in enumerate(zip(names, keys))]
         return facts, f"What is the pass key of the {names[0]}? The pass key of the " \
                       f"{names[0]} is", keys[0]
+    if task == "relay":
+        a, b, c, d = rng.sample([f"{a} {n}" for a in _ADJECTIVES for n in _NOUNS], 4)
+        value, other = _number(rng, taken), _number(rng, taken)
+        second, third = rng.random(), rng.random()
+        facts = [(depth, f"The {a} keeps the number {value}."),
+                 (depth + (1 - depth) * rng.random(), f"The {b} has the same number as the {a}."),
+                 (min(second, third), f"The {c} keeps the number {other}."),
+                 (max(second, third), f"The {d} has the same number as the {c}.")]
+        return facts, f"What number does the {b} have? The {b} has the number", value
     names: list[str] = []
     while len(names) < 4:
         name = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5))

@@ -1,7 +1,7 @@
 """Long-context retrieval, which perplexity cannot see: the synthetic tasks of
-``lorc_fx.data.retrieval_tasks`` (passkey, multikey, vartrack; generated offline and seeded)
-scored by greedy ``generate`` of the full and the compressed model on the same prompts
-(``generate`` reads the cache as it decodes, so the scores are decode-time).
+``lorc_fx.data.retrieval_tasks`` (passkey, multikey, relay, vartrack; generated offline and
+seeded) scored by greedy ``generate`` of the full and the compressed model on the same
+prompts (``generate`` reads the cache as it decodes, so the scores are decode-time).
 
 Nothing tunes on the evaluation's prompts: the planner's retrieval probe
 (``search.retrieval_probe``) reads multikey prompts of its own seed, and ``HELD_OUT``

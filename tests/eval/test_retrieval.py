@@ -58,6 +58,14 @@ def test_the_question_asks_the_needle_not_a_distractor():
     source = re.search(rf"VAR {asked} = (\w+)\.", hops.prompt).group(1)
     assert f"VAR {source} = {hops.answer}." in hops.prompt
     assert hops.prompt.index(f"VAR {source} =") < hops.prompt.index(f"VAR {asked} =")
+    relay = make_samples(WordTokenizer(), "relay", 400, 1, seed=3)[0]
+    asked = re.search(r"What number does the (\w+ \w+) have\?", relay.prompt).group(1)
+    source = re.search(rf"The {asked} has the same number as the (\w+ \w+)\.",
+                       relay.prompt).group(1)
+    assert relay.prompt[relay.needle_char:].startswith(f"The {source} keeps the number "
+                                                       f"{relay.answer}.")
+    assert relay.prompt.index(f"The {source} keeps") < relay.prompt.index(f"The {asked} has")
+    assert len(set(re.findall(r"\b\d{5}\b", relay.prompt))) == 2  # the distractor chain's
 
 
 def test_a_length_too_short_for_the_task_is_refused():
