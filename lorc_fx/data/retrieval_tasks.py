@@ -21,6 +21,7 @@ of ``HELD_OUT``, the family kept apart to report.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 TASKS = ("passkey", "multikey", "relay", "vartrack")
@@ -39,6 +40,7 @@ NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here 
 _ADJECTIVES = ("red", "blue", "green", "silver", "golden", "black", "white", "amber")
 _NOUNS = ("heron", "falcon", "otter", "fox", "badger", "lynx", "raven", "salmon", "wolf",
           "hare")
+_NAMES = [f"{a} {n}" for a in _ADJECTIVES for n in _NOUNS]  # multikey's and relay's
 
 
 @dataclass
@@ -77,33 +79,40 @@ def _facts(task: str, depth: float, rng: random.Random) -> tuple[list[tuple[floa
         return ([(depth, f"The pass key is {key}. Remember it. {key} is the pass key.")],
                 "What is the pass key? The pass key is", key)
     if task == "multikey":
-        names = rng.sample([f"{a} {n}" for a in _ADJECTIVES for n in _NOUNS], DISTRACTORS + 1)
+        names = rng.sample(_NAMES, DISTRACTORS + 1)
         keys = [_number(rng, taken) for _ in names]
         facts = [(depth if i == 0 else rng.random(), f"The pass key of the {name} is {key}.")
                  for i, (name, key) in enumerate(zip(names, keys))]
         return facts, f"What is the pass key of the {names[0]}? The pass key of the " \
                       f"{names[0]} is", keys[0]
     if task == "relay":
-        a, b, c, d = rng.sample([f"{a} {n}" for a in _ADJECTIVES for n in _NOUNS], 4)
-        value, other = _number(rng, taken), _number(rng, taken)
-        second, third = rng.random(), rng.random()
-        facts = [(depth, f"The {a} keeps the number {value}."),
-                 (depth + (1 - depth) * rng.random(), f"The {b} has the same number as the {a}."),
-                 (min(second, third), f"The {c} keeps the number {other}."),
-                 (max(second, third), f"The {d} has the same number as the {c}.")]
-        return facts, f"What number does the {b} have? The {b} has the number", value
+        names = rng.sample(_NAMES, 4)
+        facts, value = _two_hops(names, depth, rng, taken,
+                                 lambda name, n: f"The {name} keeps the number {n}.",
+                                 lambda name, to: f"The {name} has the same number as the {to}.")
+        return facts, f"What number does the {names[1]} have? The {names[1]} has the number", value
     names: list[str] = []
     while len(names) < 4:
         name = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5))
         names += [] if name in names else [name]
+    facts, value = _two_hops(names, depth, rng, taken, lambda name, n: f"VAR {name} = {n}.",
+                             lambda name, to: f"VAR {name} = {to}.")
+    return facts, f"What is the value of VAR {names[1]}? The value of VAR {names[1]} is", value
+
+
+def _two_hops(names: list[str], depth: float, rng: random.Random, taken: set[str],
+              holds: Callable[[str, str], str], links: Callable[[str, str], str]
+              ) -> tuple[list[tuple[float, str]], str]:
+    """Two chains of two hops over ``names`` A, B, C, D as ``(depth, sentence)``, the needle
+    first: A ``holds`` the value at ``depth``, B ``links`` to A later; C holds another number
+    and D links to C, both at random depths (the distractor). And A's value, which B asks."""
     a, b, c, d = names
     value, other = _number(rng, taken), _number(rng, taken)
     second, third = rng.random(), rng.random()
-    facts = [(depth, f"VAR {a} = {value}."),
-             (depth + (1 - depth) * rng.random(), f"VAR {b} = {a}."),
-             (min(second, third), f"VAR {c} = {other}."),
-             (max(second, third), f"VAR {d} = {c}.")]
-    return facts, f"What is the value of VAR {b}? The value of VAR {b} is", value
+    return [(depth, holds(a, value)),
+            (depth + (1 - depth) * rng.random(), links(b, a)),
+            (min(second, third), holds(c, other)),
+            (max(second, third), links(d, c))], value
 
 
 def _assemble(filler: list[str], facts: list[tuple[float, str]], question: str
