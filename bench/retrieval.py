@@ -3,7 +3,8 @@ project's plans (``compress(model, bits_per_value=B)``) beside transformers' ``Q
 (optimum-quanto int4 / int2) and the full cache, greedy, on the same prompts.
 
     OMP_NUM_THREADS=1 python bench/retrieval.py [--task passkey] [--lengths 1k,2k,4k,8k]
-        [--trials 10] [--seed 0] [--budgets 8.5,4.5,3,2.56,1.92] [--plans 2.56=PLAN.safetensors]
+        [--trials 10] [--seed 0] [--haystack noise] [--budgets 8.5,4.5,3,2.56,1.92]
+        [--plans 2.56=PLAN.safetensors]
         [--quanto 4,2] [--one-prefill [--shard K/N] [--merge A.json,...]]
         [--out bench/results/retrieval-cpu]
 
@@ -51,7 +52,8 @@ import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 import lorc_fx  # noqa: E402
-from lorc_fx.data.retrieval_tasks import HELD_OUT, NEW_TOKENS, TASKS, make_samples  # noqa: E402
+from lorc_fx.data.retrieval_tasks import (HELD_OUT, NEW_TOKENS, NOISE_HAYSTACK, TASKS,  # noqa: E402
+                                          make_samples)
 from lorc_fx.eval.retrieval import (Accuracy, accuracy, answers,  # noqa: E402
                                     answers_sharing_prefill, parse_lengths, same_answer)
 
@@ -107,7 +109,8 @@ def write_table(result: dict, path: Path) -> None:
     s = result["settings"]
     lines = [f"# Retrieval: {s['task']}{' (held out)' if s['task'] == HELD_OUT else ''}, "
              f"correct of {s['trials']} [Wilson 95% interval]", "",
-             f"Default model, greedy, {NEW_TOKENS} new tokens, seed {s['seed']}; "
+             f"Default model, greedy, {NEW_TOKENS} new tokens, seed {s['seed']}, "
+             f"haystack {s.get('haystack', NOISE_HAYSTACK)}; "
              f"{result['machine']['cpu']}, {result['machine']['cores']} cores (shared), "
              f"{result['machine']['threads']} thread(s), torch {result['machine']['torch']}. "
              "Produced by `bench/retrieval.py`"
@@ -229,6 +232,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="1k,2k,4k,8k")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--haystack", default=NOISE_HAYSTACK,
+                    help="the filler: noise (sentences repeated) or a text's name or file")
     ap.add_argument("--budgets", default="8.5,4.5,3,2.56,1.92", help="bits per value ('' none)")
     ap.add_argument("--plans", default="", help="B=PATH,...: saved plans for budgets B")
     ap.add_argument("--quanto", default="4,2", help="quanto bit widths ('' none)")
@@ -247,6 +252,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"task": args.task, "trials": args.trials, "seed": args.seed,
+                **({"haystack": args.haystack} if args.haystack != NOISE_HAYSTACK else {}),
                 **({"one_prefill": True} if args.one_prefill else {})}
     saved = Path(f"{out}.json")
     result = json.loads(saved.read_text()) if saved.exists() else {}
@@ -258,7 +264,8 @@ def main() -> None:
     done = {(r["method"], r["length"]) for r in result["rows"]}
 
     model, tok = lorc_fx.load_model("default"), lorc_fx.load_tokenizer("default")
-    samples = {n: make_samples(tok, args.task, n, args.trials, args.seed) for n in lengths}
+    samples = {n: make_samples(tok, args.task, n, args.trials, args.seed, haystack=args.haystack)
+               for n in lengths}
 
     def run(method: str, bits: float, answer) -> None:
         for n in lengths:

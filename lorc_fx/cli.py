@@ -9,7 +9,8 @@ import time
 from dataclasses import MISSING, fields
 
 from lorc_fx.eval.evaluate import DECODE_AFTER
-from lorc_fx.data.retrieval_tasks import HELD_OUT, MIN_LENGTH, TASKS
+from lorc_fx.data.retrieval_tasks import HELD_OUT, MIN_LENGTH, NOISE_HAYSTACK, TASKS
+from lorc_fx.data.texts import TEXT_NAMES
 from lorc_fx.eval.retrieval import RetrievalOptions, parse_lengths
 from lorc_fx.plan.options import BUDGET_FIELDS, CalibrationOptions, PlanOptions
 
@@ -147,7 +148,7 @@ def _retrieval_options(args: argparse.Namespace) -> RetrievalOptions:
                          + ("--compile" if args.compile else "--tp"))
     try:
         return RetrievalOptions(task=args.task, lengths=parse_lengths(args.lengths),
-                                trials=args.trials, seed=args.seed)
+                                trials=args.trials, seed=args.seed, haystack=args.haystack)
     except ValueError as err:
         raise ValueError(f"--{err}") from None
 
@@ -168,10 +169,13 @@ def _install(args: argparse.Namespace, model, options: PlanOptions, blocks=None)
 def _eval_task(args: argparse.Namespace, options: PlanOptions) -> None:
     """``lorc eval --task``: retrieval accuracy full vs compressed, per length."""
     from lorc_fx.data.models import load_model, load_tokenizer
+    from lorc_fx.data.retrieval_tasks import text_sentences
     from lorc_fx.eval.retrieval import evaluate_retrieval
 
     task = _retrieval_options(args)
     start = time.perf_counter()
+    if task.haystack != NOISE_HAYSTACK:  # a text that cannot be read fails before the model loads
+        text_sentences(task.haystack)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model)
     try:  # the context limit is the model's: checked before planning
@@ -183,6 +187,7 @@ def _eval_task(args: argparse.Namespace, options: PlanOptions) -> None:
     results = evaluate_retrieval(model, tokenizer, task)
     held = " (the held-out family)" if task.task == HELD_OUT else ""
     print(f"{task.task}{held}, greedy, {task.trials} prompts per length, seed {task.seed}, "
+          f"{task.haystack} haystack, "
           f"{report.plan.bits_per_value:.2f} bits per value ({report.plan.scheme.name}); "
           "correct [Wilson 95% interval]:")
     for r in results:
@@ -191,7 +196,8 @@ def _eval_task(args: argparse.Namespace, options: PlanOptions) -> None:
     if args.json:
         _write_json(args.json, {
             "task": task.task, "held_out": task.task == HELD_OUT, "trials": task.trials,
-            "seed": task.seed, "lengths": list(task.lengths), "scoring": "greedy generate",
+            "seed": task.seed, "haystack": task.haystack, "lengths": list(task.lengths),
+            "scoring": "greedy generate",
             "results": [r.to_json() for r in results],
             "cache_fraction": report.plan.cache_fraction,
             "bits_per_value_plan": report.plan.bits_per_value, "plan": report.to_json(),
@@ -446,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--task: prompts per length (>= 1)")
     p.add_argument("--seed", type=int, default=RetrievalOptions.seed,
                    help="--task: seed of the prompts (>= 0)")
+    p.add_argument("--haystack", default=RetrievalOptions.haystack,
+                   help=f"--task: the filler around the facts: {NOISE_HAYSTACK} (the passkey "
+                        f"test's sentences repeated), or prose, a known text "
+                        f"({', '.join(TEXT_NAMES)}) or a text file, from its evaluation part")
     p.add_argument("--json", help="write the results as JSON")
     p.set_defaults(run=cmd_eval)
 

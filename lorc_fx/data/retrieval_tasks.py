@@ -9,8 +9,12 @@
 - ``vartrack``: variable tracking over two hops (``VAR A = 12345`` at the depth, ``VAR B = A``
   later, a second chain beside them as distractor); the value of ``B`` is asked.
 
-The filler is the passkey test's noise sentences repeated (``NOISE``); keys, names and the
-distractors' depths are drawn per prompt from the seed. A prompt is sized with the model's
+The filler (the haystack) is the passkey test's noise sentences repeated (``NOISE``, RULER's
+"noise"), or with ``haystack`` a text's sentences in order (``lorc_fx.data.texts.load_text``:
+its evaluation part, which calibration never reads), from a sentence the seed draws: real
+prose, whose keys drift with position far less than the repeated sentences'
+(bench/results/key_drift-cpu.md). Keys, names and the distractors' depths are drawn per prompt
+from the seed, the same whatever the haystack. A prompt is sized with the model's
 tokenizer so that it and its answer fit ``length`` tokens; each trial places the needle at
 the next of ``depths``.
 
@@ -20,7 +24,9 @@ of ``HELD_OUT``, the family kept apart to report.
 """
 from __future__ import annotations
 
+import functools
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +36,7 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where the needle sits, as a share of the f
 NEW_TOKENS = 8  # generated per prompt: a five-digit answer in any tokenizer, and a margin
 MIN_LENGTH = 64
 DISTRACTORS = 3  # multikey: keys besides the one asked
+NOISE_HAYSTACK = "noise"  # the default haystack: ``NOISE`` repeated
 
 HEADER = ("A long text follows. Hidden in it are facts to remember; a question about them "
           "comes at the end.\n\n")
@@ -59,8 +66,23 @@ class Sample:
         return tokenizer(" " + self.answer, add_special_tokens=False).input_ids
 
 
-def _filler(count: int) -> list[str]:
-    return [NOISE[i % len(NOISE)] for i in range(count)]
+@functools.cache
+def text_sentences(name: str) -> tuple[str, ...]:
+    """The sentences of text ``name``'s evaluation part (``load_text``; whitespace runs made
+    one space), where a haystack reads them."""
+    from lorc_fx.data.texts import evaluation_part, load_text
+    flat = re.sub(r"\s+", " ", evaluation_part(load_text(name))).strip()
+    return tuple(s for s in re.split(r"(?<=[.!?])\s+", flat) if s)
+
+
+def _filler(count: int, haystack: str, rng: random.Random) -> list[str]:
+    """``count`` filler sentences: ``NOISE`` repeated, or the text ``haystack``'s in order from
+    a sentence ``rng`` draws, round again past its end."""
+    if haystack == NOISE_HAYSTACK:
+        return [NOISE[i % len(NOISE)] for i in range(count)]
+    sentences = text_sentences(haystack)
+    first = rng.randrange(len(sentences))
+    return [sentences[(first + i) % len(sentences)] for i in range(count)]
 
 
 def _number(rng: random.Random, taken: set[str]) -> str:
@@ -133,13 +155,17 @@ def _assemble(filler: list[str], facts: list[tuple[float, str]], question: str
     return "".join(parts) + "\n\n" + question, needle
 
 
-def make_sample(tokenizer, task: str, length: int, depth: float, seed) -> Sample:
+def make_sample(tokenizer, task: str, length: int, depth: float, seed,
+                haystack: str = NOISE_HAYSTACK) -> Sample:
     """One prompt of ``task`` whose ids and ``NEW_TOKENS`` answer tokens fit ``length``
-    tokens, with as much filler as fits (found by bisection: tokenizers do not add up)."""
+    tokens, with as much filler of ``haystack`` as fits (found by bisection: tokenizers do
+    not add up)."""
     rng = random.Random(f"{task}:{seed}")
     facts, question, answer = _facts(task, depth, rng)
     budget = length - NEW_TOKENS
-    filler = _filler(budget)  # each sentence is at least one token
+    # each sentence is at least one token; the haystack's draw is its own, so the facts are
+    # the same in every haystack
+    filler = _filler(budget, haystack, random.Random(f"{task}:{seed}:{haystack}"))
 
     def build(count: int) -> tuple[str, int, list[int]]:
         prompt, needle = _assemble(filler[:count], facts, question)
@@ -157,9 +183,12 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed) -> Sample
 
 
 def make_samples(tokenizer, task: str, length: int, trials: int, seed: int | str,
-                 depths: tuple[float, ...] = DEPTHS) -> list[Sample]:
+                 depths: tuple[float, ...] = DEPTHS, haystack: str = NOISE_HAYSTACK
+                 ) -> list[Sample]:
     """``trials`` prompts of ``task`` at ``length`` tokens, the needle at each of ``depths``
-    in turn; the same arguments give the same prompts (evaluations take integer seeds, the
-    planner's probe a word, so none of its prompts is theirs)."""
-    return [make_sample(tokenizer, task, length, depths[t % len(depths)], f"{seed}:{length}:{t}")
+    in turn, in ``haystack`` (``NOISE_HAYSTACK`` or a text's name); the same arguments give
+    the same prompts (evaluations take integer seeds, the planner's probe a word, so none of
+    its prompts is theirs)."""
+    return [make_sample(tokenizer, task, length, depths[t % len(depths)], f"{seed}:{length}:{t}",
+                        haystack)
             for t in range(trials)]

@@ -170,6 +170,7 @@ def _run(cmd: list[str], cwd: str, package: str = AUSTEN_PACKAGE) -> None:
 
 
 CHUNK_CHARS = 1000  # a text without blank lines is cut into paragraphs of about this size
+HOLD_OUT = 4  # every HOLD_OUT-th paragraph is calibration's, the others evaluation's
 
 
 def split_paragraphs(text: str) -> list[str]:
@@ -296,3 +297,13 @@ _TEXTS = {
     "poems": poems_text,
 }
 TEXT_NAMES = tuple(_TEXTS)
+
+
+def calibration_part(text: str) -> str:
+    """The paragraphs reserved for calibration: every ``HOLD_OUT``-th, from the first."""
+    return "\n\n".join(p for i, p in enumerate(split_paragraphs(text)) if i % HOLD_OUT == 0)
+
+
+def evaluation_part(text: str) -> str:
+    """Every paragraph calibration never reads."""
+    return "\n\n".join(p for i, p in enumerate(split_paragraphs(text)) if i % HOLD_OUT != 0)

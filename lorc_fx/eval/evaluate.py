@@ -18,7 +18,7 @@
 - cache bytes per token and bits per cached K/V value, from the plan and measured on the
   latent cache's tensors.
 
-Windows come only from the evaluation part of a text (``calibration.evaluation_part``), so
+Windows come only from the evaluation part of a text (``data.texts.evaluation_part``), so
 evaluation never reads a paragraph calibration read. They are ``window`` tokens long, evenly
 spaced over that part.
 """
@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from lorc_fx.analysis.cache_probe import fresh_cache
 from lorc_fx.data.texts import split_paragraphs
-from lorc_fx.plan.calibration import HOLD_OUT, evaluation_part
+from lorc_fx.data.texts import HOLD_OUT, evaluation_part
 from lorc_fx.cache import latent_cache
 
 PROMPT_TOKENS = 24

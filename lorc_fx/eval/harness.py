@@ -26,7 +26,7 @@ from lm_eval.tasks import TaskManager
 
 from lorc_fx.cache import latent_cache
 from lorc_fx.data.texts import split_paragraphs
-from lorc_fx.plan.calibration import evaluation_part
+from lorc_fx.data.texts import evaluation_part
 
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 

@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,7 +21,9 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import Cache
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.data.retrieval_tasks import MIN_LENGTH, NEW_TOKENS, TASKS, Sample, make_samples
+from lorc_fx.data.retrieval_tasks import (MIN_LENGTH, NEW_TOKENS, NOISE_HAYSTACK, TASKS, Sample,
+                                          make_samples)
+from lorc_fx.data.texts import TEXT_NAMES
 from lorc_fx.eval.evaluate import greedy_continuations
 from lorc_fx.plan.planner import Plan
 from lorc_fx.search.one_prefill import FULL, side_by_side, step
@@ -156,10 +159,15 @@ class RetrievalOptions:
     lengths: tuple[int, ...] = (1024, 2048)  # tokens of prompt and answer together
     trials: int = 10  # prompts per length
     seed: int = 0
+    haystack: str = NOISE_HAYSTACK  # the filler: noise sentences repeated, or a text's
 
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.haystack not in (NOISE_HAYSTACK, *TEXT_NAMES) and not Path(
+                self.haystack).expanduser().is_file():
+            raise ValueError(f"haystack must be {NOISE_HAYSTACK!r}, a known text "
+                             f"({', '.join(TEXT_NAMES)}) or a text file, got {self.haystack!r}")
         lengths = tuple(self.lengths)
         if not lengths or not all(isinstance(n, int) and not isinstance(n, bool)
                                   and n >= MIN_LENGTH for n in lengths):
@@ -209,7 +217,8 @@ def evaluate_retrieval(model: nn.Module, tokenizer, options: RetrievalOptions | 
     options.check_fits(model)
     results = []
     for length in options.lengths:
-        samples = make_samples(tokenizer, options.task, length, options.trials, options.seed)
+        samples = make_samples(tokenizer, options.task, length, options.trials, options.seed,
+                               haystack=options.haystack)
         full = answers(model, tokenizer, samples, compressed=False)
         comp = answers(model, tokenizer, samples, compressed=True)
         results.append(LengthResult(

@@ -10,8 +10,8 @@ One forward pass over calibration windows collects, per attention layer:
   routes attention through transformers' ``AttentionInterface``.
 
 Calibration and evaluation never share text: every ``HOLD_OUT``-th paragraph (0, 4, 8, …) of a
-text is reserved for calibration (:func:`calibration_part`), and ``lorc_fx.evaluate`` reads
-only the other paragraphs (:func:`evaluation_part`).
+text is reserved for calibration (``data.texts.calibration_part``), and ``lorc_fx.evaluate``
+reads only the other paragraphs (``data.texts.evaluation_part``).
 
 The default calibration text is ``"self"``: sequences sampled from the model itself
 (:func:`self_generated_windows`, ``lorc_fx.plan.sampling``), so calibration needs no corpus
@@ -42,9 +42,8 @@ from .attention_probe import AttentionMoments, AttentionProbe, attention_modules
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.analysis.sharding import full_tensor
 from lorc_fx.data.models import user_cache_dir
-from lorc_fx.data.texts import split_paragraphs
+from lorc_fx.data.texts import calibration_part
 
-HOLD_OUT = 4
 _FORMAT = 1  # bump when what the cache file holds changes
 SELF_BATCH = 48  # at most this many sequences sampled side by side
 _SEED_STRIDE = 1_000_003  # sequence i of seed s draws from a generator seeded s·stride + i
@@ -60,16 +59,6 @@ class CalibrationUnavailable(ValueError):
 class LayerStatistics:
     input_gram: torch.Tensor  # (D_in, D_in) float64
     attention: AttentionMoments | None
-
-
-def calibration_part(text: str) -> str:
-    """The paragraphs reserved for calibration: every ``HOLD_OUT``-th, from the first."""
-    return "\n\n".join(p for i, p in enumerate(split_paragraphs(text)) if i % HOLD_OUT == 0)
-
-
-def evaluation_part(text: str) -> str:
-    """Every paragraph calibration never reads."""
-    return "\n\n".join(p for i, p in enumerate(split_paragraphs(text)) if i % HOLD_OUT != 0)
 
 
 def model_fingerprint(model: nn.Module) -> str:

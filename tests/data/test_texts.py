@@ -312,7 +312,7 @@ def test_text_file_and_bad_name(tmp_path):
 
 @pytest.mark.parametrize("name", ["pydoc", "code"])
 def test_stdlib_texts_ship_with_python_and_split_into_paragraphs(name):
-    from lorc_fx.plan.calibration import calibration_part, evaluation_part
+    from lorc_fx.data.texts import calibration_part, evaluation_part
 
     text = load_text(name)
     paragraphs = text.split("\n\n")

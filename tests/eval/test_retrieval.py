@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from lorc_fx.data.retrieval_tasks import HEADER, NEW_TOKENS, TASKS, Sample, make_samples
+from lorc_fx.data.retrieval_tasks import HEADER, NEW_TOKENS, NOISE, TASKS, Sample, make_samples
 from lorc_fx.eval.retrieval import accuracy, is_correct, same_answer, wilson_interval
 
 
@@ -68,6 +68,29 @@ def test_the_question_asks_the_needle_not_a_distractor():
     assert len(set(re.findall(r"\b\d{5}\b", relay.prompt))) == 2  # the distractor chain's
 
 
+@pytest.mark.parametrize("task", TASKS)
+def test_a_text_haystack_holds_the_same_facts_among_the_texts_sentences(task, tmp_path):
+    """With a text for haystack the facts, the question and the answer are the noise
+    haystack's; the filler is the text's evaluation part (every 4th paragraph is
+    calibration's), sentence after sentence from a seeded start, and the prompt still fills
+    its length."""
+    paragraphs = [" ".join(f"Paragraph {p} says thing {i}." for i in range(6)) for p in range(40)]
+    text = tmp_path / "prose.txt"
+    text.write_text("\n\n".join(paragraphs))
+    tok = WordTokenizer()
+    noise = make_samples(tok, task, 600, 3, seed=5)
+    prose = make_samples(tok, task, 600, 3, seed=5, haystack=str(text))
+    for n, p in zip(noise, prose, strict=True):
+        assert (p.answer, p.depth) == (n.answer, n.depth)
+        assert p.prompt[p.prompt.rindex("\n\n"):] == n.prompt[n.prompt.rindex("\n\n"):]
+        assert p.prompt[p.needle_char:].split(".")[0] == n.prompt[n.needle_char:].split(".")[0]
+        assert 600 - NEW_TOKENS - 8 < len(p.input_ids) <= 600 - NEW_TOKENS
+        assert not any(sentence in p.prompt for sentence in NOISE)
+        said = [int(x) for x in re.findall(r"Paragraph (\d+) says", p.prompt)]
+        assert said and all(x % 4 for x in said)  # never a calibration paragraph
+    assert len({p.prompt[len(HEADER):len(HEADER) + 40] for p in prose}) > 1  # seeded starts
+
+
 def test_a_length_too_short_for_the_task_is_refused():
     with pytest.raises(ValueError, match="lengths: 20 tokens cannot hold a passkey prompt"):
         make_samples(WordTokenizer(), "passkey", 20, 1, seed=0)
@@ -124,6 +147,7 @@ def test_retrieval_end_to_end_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsy
     (["--trials", "0"], "--trials must be an integer >= 1, got 0"),
     (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     (["--compile"], "--task scores greedy generate eagerly"),
+    (["--haystack", "no-such-text"], "--haystack must be 'noise', a known text (news, "),
 ])
 def test_task_options_are_refused_before_the_model_loads(tmp_path, args, message, capsys):
     from lorc_fx.cli import main

@@ -17,7 +17,8 @@ from transformers.cache_utils import DynamicCache
 from lorc_fx.plan import calibration
 from lorc_fx.api import plan
 from lorc_fx.cache import LatentCache, LatentCodec
-from lorc_fx.plan.calibration import CalibrationOptions, calibration_part, collect, evaluation_part
+from lorc_fx.data.texts import calibration_part, evaluation_part
+from lorc_fx.plan.calibration import CalibrationOptions, collect
 from lorc_fx.plan.planner import PlanOptions, plan_layers
 from lorc_fx.plan.schedules import UnreachableFraction
 from helpers.plan_inputs import random_layers
