@@ -8,7 +8,7 @@ Vector codes are fitted on the latents of calibration windows (``search.codebook
 tokens by default). A long context's later keys need not look like a short window's: this
 reads, for retrieval prompts (``--task`` at ``--length``, seed ``--seed``: none of the
 evaluation's) and for the evaluation part of natural texts (``--texts``, the first
-``--length`` tokens after BOS), every layer's keys before RoPE (``k_proj``'s output) and per
+``--length`` tokens after BOS), every layer's keys before RoPE (its K projection's output) and per
 span of positions:
 
 - the drift: how far the span's mean key lies from the mean over positions 1-255, in units
@@ -36,6 +36,7 @@ from lorc_fx.data.retrieval_tasks import TASKS, make_samples
 from lorc_fx.data.texts import evaluation_part, load_text
 from lorc_fx.eval.retrieval import parse_lengths
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
+from lorc_fx.plan.calibration import owner_module
 
 EDGES = (1, 256, 1024, 4096)  # spans [1, 256), [256, 1024), [1024, 4096), [4096, length)
 
@@ -46,12 +47,13 @@ def spans(length: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def keys_of(model, ids: list[int]) -> dict[int, torch.Tensor]:
-    """Every layer's keys before RoPE on one sequence: ``(tokens, h_kv·d)`` float32."""
+def keys_of(model, blocks, ids: list[int]) -> dict[int, torch.Tensor]:
+    """Every supported layer's keys before RoPE on one sequence (its K projection's output,
+    found by ``analyze``): ``(tokens, h_kv·d)`` float32."""
     keys: dict[int, torch.Tensor] = {}
-    hooks = [layer.self_attn.k_proj.register_forward_hook(
-        lambda m, a, out, i=i: keys.__setitem__(i, out[0].float()))
-        for i, layer in enumerate(model.model.layers)]
+    hooks = [model.get_submodule(owner_module(b.k.weight)).register_forward_hook(
+        lambda m, a, out, i=b.layer: keys.__setitem__(i, out[0].float()))
+        for b in blocks if b.supported]
     try:
         model(torch.tensor([ids]), use_cache=False)
     finally:
@@ -90,6 +92,7 @@ def main() -> None:
 
     model = lorc_fx.load_model("default")
     tok = load_tokenizer()
+    blocks = lorc_fx.analyze(model)
     sources = {f"{args.task} {i}": s.input_ids
                for i, s in enumerate(make_samples(tok, args.task, length, args.trials, args.seed))}
     for name in filter(None, args.texts.split(",")):
@@ -100,7 +103,7 @@ def main() -> None:
 
     rows = []
     for source, ids in sources.items():
-        keys = keys_of(model, ids)
+        keys = keys_of(model, blocks, ids)
         parts = spans(len(ids))
         drifts = [drift(keys[i], parts) for i in sorted(keys)]
         rows.append({"source": source, "what": "drift", "spans": parts,

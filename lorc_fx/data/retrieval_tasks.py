@@ -30,6 +30,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lorc_fx.data.texts import evaluation_part, load_text
+
 TASKS = ("passkey", "multikey", "relay", "vartrack")
 HELD_OUT = "vartrack"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # where the needle sits, as a share of the filler
@@ -70,7 +72,6 @@ class Sample:
 def text_sentences(name: str) -> tuple[str, ...]:
     """The sentences of text ``name``'s evaluation part (``load_text``; whitespace runs made
     one space), where a haystack reads them."""
-    from lorc_fx.data.texts import evaluation_part, load_text
     flat = re.sub(r"\s+", " ", evaluation_part(load_text(name))).strip()
     return tuple(s for s in re.split(r"(?<=[.!?])\s+", flat) if s)
 

@@ -34,8 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.cache_probe import fresh_cache
-from lorc_fx.data.texts import split_paragraphs
-from lorc_fx.data.texts import HOLD_OUT, evaluation_part
+from lorc_fx.data.texts import HOLD_OUT, evaluation_part, split_paragraphs
 from lorc_fx.cache import latent_cache
 
 PROMPT_TOKENS = 24

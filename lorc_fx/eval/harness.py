@@ -25,8 +25,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 from lorc_fx.cache import latent_cache
-from lorc_fx.data.texts import split_paragraphs
-from lorc_fx.data.texts import evaluation_part
+from lorc_fx.data.texts import evaluation_part, split_paragraphs
 
 METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
 
