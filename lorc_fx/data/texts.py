@@ -49,6 +49,12 @@ class FetchError(RuntimeError):
     """Downloading or unpacking a Debian package of text failed."""
 
 
+def is_text(name: str) -> bool:
+    """Whether ``name`` names a known text (:data:`TEXT_NAMES`) or an existing file: what
+    :func:`load_text` reads, said without reading it."""
+    return name in _TEXTS or Path(name).expanduser().is_file()
+
+
 def load_text(name: str) -> str:
     """A known text (:data:`TEXT_NAMES`) or the path of a UTF-8 text file. Paragraphs (and
     articles, novels, topics, modules, poems) are separated by blank lines."""

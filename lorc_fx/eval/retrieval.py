@@ -13,7 +13,6 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,7 +22,7 @@ from transformers.cache_utils import Cache
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.data.retrieval_tasks import (MIN_LENGTH, NEW_TOKENS, NOISE_HAYSTACK, TASKS, Sample,
                                           make_samples)
-from lorc_fx.data.texts import TEXT_NAMES
+from lorc_fx.data.texts import TEXT_NAMES, is_text
 from lorc_fx.eval.evaluate import greedy_continuations
 from lorc_fx.plan.planner import Plan
 from lorc_fx.search.one_prefill import FULL, side_by_side, step
@@ -164,8 +163,7 @@ class RetrievalOptions:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if self.haystack not in (NOISE_HAYSTACK, *TEXT_NAMES) and not Path(
-                self.haystack).expanduser().is_file():
+        if self.haystack != NOISE_HAYSTACK and not is_text(self.haystack):
             raise ValueError(f"haystack must be {NOISE_HAYSTACK!r}, a known text "
                              f"({', '.join(TEXT_NAMES)}) or a text file, got {self.haystack!r}")
         lengths = tuple(self.lengths)
