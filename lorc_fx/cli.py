@@ -48,6 +48,10 @@ def _add_flag(group, f, prefix: str = "") -> None:
     shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
     help = meta["help"] + ("" if default is None else f" (default: {shown})")
     flag = "--" + (prefix + (meta["flag"] or f.name)).replace("_", "-")
+    if default is False:  # a switch: given, it is on
+        group.add_argument(flag, dest=prefix + f.name, action="store_true",
+                           default=argparse.SUPPRESS, help=meta["help"].replace("%", "%%"))
+        return
     group.add_argument(flag, dest=prefix + f.name, type=_typed(parse), default=argparse.SUPPRESS,
                        metavar=(meta["flag"] or f.name).upper(), help=help.replace("%", "%%"))
 

@@ -338,16 +338,40 @@ def _sorted_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.sort(x.numpy(), axis=1))
 
 
+# Tail levels of the scalar tables (``fit(tails=True)``), by table size: how far past the
+# outermost fitted level each lies, in the calibration samples' range. Lloyd puts every level
+# inside that range, so a value past it codes as the outermost level; the keys of a long,
+# repetitive context drift there (one channel of the default model's layer 19: 78% of a relay
+# prompt's keys at 4096-8180 below its calibration range). With these levels the keys'
+# latent error there fell 2.3x for 2% more on the calibration latents
+# (bench/results/retrieval_relay_tails-cpu.md).
+TAIL_REACH = {16: (0.3,), 32: (0.15, 0.5), 64: (0.1, 0.25, 0.5, 1.0)}
+
+
+def _scalar_with_tails(x: torch.Tensor, count: int, iters: int) -> torch.Tensor:
+    """``count`` levels for each row of ``x (S, n)``: ``count - 2t`` by :func:`_scalar_lloyd`
+    and ``t = len(TAIL_REACH[count])`` past each end, at ``TAIL_REACH`` of the row's range
+    beyond its outermost fitted level; ``(S, count)``, sorted."""
+    reach = torch.tensor(TAIL_REACH[count], dtype=x.dtype)
+    inner = _scalar_lloyd(x, count - 2 * len(reach), iters)
+    span = x.amax(1, keepdim=True) - x.amin(1, keepdim=True)
+    return torch.cat([inner[:, :1] - span * reach.flip(0), inner, inner[:, -1:] + span * reach],
+                     dim=1)
+
+
 def fit(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = True,
-        iters: int = 15, assign: Assign = nearest) -> VectorBook:
+        iters: int = 15, assign: Assign = nearest, tails: bool = False) -> VectorBook:
     """A book for ``spec`` fitted on calibration latents ``samples (n, r)`` (float32):
     k-means per sub-vector (:func:`kmeans`, with ``assign``); with ``keep_variance`` the
-    reconstructions scaled about each channel's mean to its variance on ``samples``."""
-    return fit_measured(samples, spec, keep_variance, iters, assign)[0]
+    reconstructions scaled about each channel's mean to its variance on ``samples``; with
+    ``tails`` the scalar tables of ``TAIL_REACH``'s sizes keep levels past the samples' range
+    (:func:`_scalar_with_tails`)."""
+    return fit_measured(samples, spec, keep_variance, iters, assign, tails)[0]
 
 
 def fit_measured(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = True,
-                 iters: int = 15, assign: Assign = nearest) -> tuple[VectorBook, torch.Tensor]:
+                 iters: int = 15, assign: Assign = nearest, tails: bool = False
+                 ) -> tuple[VectorBook, torch.Tensor]:
     """:func:`fit`, and the squared coding error of each channel the book codes, summed over
     ``samples`` (``(channels,)`` float64): the book's :func:`reconstruction` of them less
     themselves, from the fit's own last assignment."""
@@ -355,7 +379,11 @@ def fit_measured(samples: torch.Tensor, spec: VectorSpec, keep_variance: bool = 
     tables, errors = [], []
     for first, subs, d, ib in spec.layout():
         sets = _sub_vectors(x, first, subs, d)[0].contiguous()  # (S, n, d)
-        codewords = kmeans(sets, 1 << ib, iters, assign=assign)
+        count = 1 << ib
+        if tails and d == 1 and count in TAIL_REACH:
+            codewords = _scalar_with_tails(sets[..., 0], count, iters)[..., None]
+        else:
+            codewords = kmeans(sets, count, iters, assign=assign)
         idx = assign(sets, codewords)[..., None].expand(-1, -1, d)
         values = codewords
         if keep_variance:

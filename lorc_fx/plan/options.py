@@ -227,6 +227,13 @@ class PlanOptions:
         ">= 1, 1: no layer favoured and no probe run",
         lambda x: None if _number(x) and x >= 1
         else f"retrieval_weight must be a number >= 1, got {x!r}", float)
+    codebook_tails: bool = option(
+        False, "vector codes: the 4- to 6-bit scalar tables keep levels past the range of the "
+        "calibration latents, so keys that drift past it in a long, repetitive context are "
+        "not clipped; with --calibration-window 1024 --calibration-tokens 32768 it keeps "
+        "retrieval at 8k tokens (docs/results.md), for more loss on short text",
+        lambda x: None if isinstance(x, bool)
+        else f"codebook_tails must be True or False, got {x!r}")
     # latents stored as latent_bits-bit codes, per channel over groups of latent_group tokens;
     # 16: not quantized; auto: the storage scheme and its width measured (``lorc_fx.search``)
     latent_bits: int | str = option(

@@ -101,7 +101,8 @@ class Vector(Scheme):
 
     def how(self, plan: Plan) -> str:
         o = plan.options
-        return f"vector codes; basis={o.basis}, rope={o.rope}"
+        tails = ", codebook tails" if o.codebook_tails else ""
+        return f"vector codes; basis={o.basis}, rope={o.rope}{tails}"
 
     def limits(self) -> str:
         """Compiled decode reads the codes but is slower than the full cache's (measured in
@@ -128,7 +129,10 @@ class Vector(Scheme):
             f"vector codes: each latent channel at the bits a token its energy and measured "
             f"coding error buy, or dropped ({sum(channels.values())} of {full} channels kept: "
             f"{widths} bits), in tuples of channels coded as indices into codebooks fitted on "
-            f"calibration latents (no scales); the codebooks take {table_bytes / 2**20:.1f} MiB, "
+            f"calibration latents (no scales"
+            + ("; the 4- to 6-bit tables with levels past the calibration latents' range"
+               if plan.options.codebook_tails else "")
+            + f"); the codebooks take {table_bytes / 2**20:.1f} MiB, "
             "the model's like its weights, not counted in bits per value; each sequence's first "
             "token is kept in full precision (the attention sink), counted as if sequences "
             "were 512 tokens; the last partial block of 8 tokens is kept in full precision"]

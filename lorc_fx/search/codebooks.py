@@ -68,10 +68,11 @@ def calibration_latents(model: nn.Module, blocks: list[AttentionBlock], full: Pl
 
 
 def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WIDTHS,
-              tuple_dims: int = TUPLE_DIMS, iters: int = FIT_ITERATIONS
+              tuple_dims: int = TUPLE_DIMS, iters: int = FIT_ITERATIONS, tails: bool = False
               ) -> tuple[Books, dict[Side, dict[float, torch.Tensor]]]:
     """Per side, a book of its whole latent at each width, and its coding errors on the
-    samples: each channel's squared error over its squared values (shows progress).
+    samples: each channel's squared error over its squared values (shows progress; ``tails``:
+    the scalar tables keep levels past the samples' range, ``codes.vector.TAIL_REACH``).
 
     The books are fitted side by side, one a thread, each with one thread of its own
     (``torch.set_num_threads(1)`` while they run): a book's Lloyd steps are small products
@@ -82,7 +83,7 @@ def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WID
     def fit(side: Side, width: float) -> tuple[VectorBook, torch.Tensor]:
         x = samples[side]
         book, squared = fit_measured(x, VectorSpec(((x.shape[1], width),), tuple_dims),
-                                     iters=iters, assign=nearest_codeword)
+                                     iters=iters, assign=nearest_codeword, tails=tails)
         return book, squared / power[side]
 
     jobs = [(side, width) for side in samples for width in widths]
@@ -112,12 +113,14 @@ def _books_file(model: nn.Module, full: Plan, what: str = "vector"):
     """Where the books of ``model`` fitted on the latents of ``full`` are cached (``what``:
     ``"vector"``; ``"sensitivity"``, the loss's sensitivities beside them): keyed by the
     model and the calibration text (the bases they were fitted under are kept in the file and
-    compared on reading: their bytes vary with the thread count)."""
+    compared on reading: their bytes vary with the thread count; books with tail levels apart
+    from those without, the sensitivities shared)."""
+    tails = {"tails": True} if what == "vector" and full.options.codebook_tails else {}
     return calibration_file(f"{what}-", {
         "format": _FORMAT, "model": model_fingerprint(model),
         "calibration": repr(full.options.calibration), **sampling_key(full.options.calibration),
         "basis": full.options.basis, "rope": full.options.rope, "widths": WIDTHS,
-        "tuple_dims": TUPLE_DIMS, "iters": FIT_ITERATIONS})
+        "tuple_dims": TUPLE_DIMS, "iters": FIT_ITERATIONS, **tails})
 
 
 def _fitted_under(data: dict, bases: dict[str, torch.Tensor]) -> bool:
@@ -211,7 +214,7 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
     log.warning("vector codes: fitting codebooks for every coded side at %d widths on %d "
                 "calibration latents each (once per model: they are cached in %s)",
                 len(WIDTHS), next(iter(samples.values())).shape[0], path.parent)
-    books, rho = fit_books(samples)
+    books, rho = fit_books(samples, tails=full.options.codebook_tails)
     save_atomic({"books": {f"{layer}/{side}/{b}": list(book.tables[0])
                            for (layer, side), by_width in books.items()
                            for b, book in by_width.items()},

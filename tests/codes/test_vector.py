@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lorc_fx.codes.vector import (BLOCK, VECTOR_WIDTHS, VectorBook, VectorSpec, decode,
+from lorc_fx.codes.vector import (BLOCK, TAIL_REACH, VECTOR_WIDTHS, VectorBook, VectorSpec, decode,
                                   encode, fit, fit_measured, kmeans, nearest, reconstruction,
                                   select, sub_dims)
 
@@ -168,6 +168,35 @@ def test_fit_lowers_the_error_of_its_start_and_keeps_variance():
     book = fit(samples, spec, keep_variance=True)
     kept = decode(encode(z, book), book)[0]
     assert torch.allclose(kept.var(0), samples.var(0), rtol=1e-3)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6])
+def test_tails_keep_levels_past_the_range_and_code_drifted_values_closer(bits):
+    """With ``tails`` a 4- to 6-bit scalar table keeps its size, its inner levels are a Lloyd
+    fit of fewer levels inside the samples' range and ``TAIL_REACH`` of that range lies past
+    each end; values drifted past the range code closer than as the outermost fitted level,
+    and the samples themselves little worse. Vector widths are fitted as before."""
+    gen = torch.Generator().manual_seed(4)
+    samples = torch.randn(3000, 8, generator=gen) * torch.linspace(2, 0.5, 8)
+    spec = VectorSpec(((8, bits), ))
+    plain_book, plain_err = fit_measured(samples, spec, keep_variance=False)
+    book, err = fit_measured(samples, spec, keep_variance=False, tails=True)
+    levels, plain_levels = book.tables[0][0][..., 0], plain_book.tables[0][0][..., 0]
+    reach = torch.tensor(TAIL_REACH[1 << bits])
+    low, high = samples.amin(0), samples.amax(0)
+    assert levels.shape == plain_levels.shape
+    assert (plain_levels >= low[:, None]).all() and (plain_levels <= high[:, None]).all()
+    span, t = (high - low)[:, None], len(reach)
+    torch.testing.assert_close(levels[:, -t:] - levels[:, -t - 1:-t], span * reach)
+    torch.testing.assert_close(levels[:, t:t + 1] - levels[:, :t], span * reach.flip(0))
+    assert (levels[:, -1] > high).all() and (levels[:, 0] < low).all()
+    drifted = (high + 0.4 * (high - low))[None]  # past every channel's range
+    code = lambda b: decode(encode(drifted[None], b), b)[0]
+    assert ((code(book) - drifted).abs() < (code(plain_book) - drifted).abs()).all()
+    assert err.sum() < 1.5 * plain_err.sum()
+    vector = VectorSpec(((8, 2), ))
+    assert all(torch.equal(a, b) for a, b in zip(fit(samples, vector, tails=True).tables[0],
+                                                 fit(samples, vector).tables[0]))
 
 
 def test_select_cuts_an_allocation_from_per_width_books():

@@ -139,3 +139,15 @@ def test_demo_runs_end_to_end_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert printed.startswith("lorc demo: ") and "perplexity on news" in printed
     report = json.loads((out / "report.json").read_text())
     assert report["perplexity"]["ppl_compressed"] > 0 and report["decode_speed"] == {}
+
+
+def test_a_switch_option_is_a_flag_without_a_value():
+    """``--codebook-tails`` turns ``PlanOptions.codebook_tails`` on; absent, the default."""
+    from lorc_fx.cli import build_parser, plan_options
+
+    parser = build_parser()
+    on = parser.parse_args(["plan", "--bits-per-value", "2.56", "--codebook-tails"])
+    off = parser.parse_args(["plan", "--bits-per-value", "2.56"])
+    assert plan_options(on).codebook_tails and not plan_options(off).codebook_tails
+    with pytest.raises(SystemExit):
+        parser.parse_args(["plan", "--codebook-tails", "no"])

@@ -34,8 +34,8 @@ def _fake_passes(monkeypatch, tmp_path, measurable=True):
     monkeypatch.setattr(codebooks, "calibration_latents", lambda model, blocks, plan, windows:
                         calls["latents"].append(1) or latents(codebooks.coded_sides(plan)))
     fit = codebooks.fit_books
-    monkeypatch.setattr(codebooks, "fit_books", lambda samples: calls["fits"].append(1) or fit(
-        samples, widths=codebooks.WIDTHS, iters=2))
+    monkeypatch.setattr(codebooks, "fit_books", lambda samples, tails: calls["fits"].append(1)
+                        or fit(samples, widths=codebooks.WIDTHS, iters=2, tails=tails))
     return calls
 
 
