@@ -178,7 +178,7 @@ def test_tails_keep_levels_past_the_range_and_code_drifted_values_closer(bits):
     and the samples themselves little worse. Vector widths are fitted as before."""
     gen = torch.Generator().manual_seed(4)
     samples = torch.randn(3000, 8, generator=gen) * torch.linspace(2, 0.5, 8)
-    spec = VectorSpec(((8, bits), ))
+    spec = VectorSpec(((8, bits),))
     plain_book, plain_err = fit_measured(samples, spec, keep_variance=False)
     book, err = fit_measured(samples, spec, keep_variance=False, tails=True)
     levels, plain_levels = book.tables[0][0][..., 0], plain_book.tables[0][0][..., 0]
@@ -194,7 +194,7 @@ def test_tails_keep_levels_past_the_range_and_code_drifted_values_closer(bits):
     code = lambda b: decode(encode(drifted[None], b), b)[0]
     assert ((code(book) - drifted).abs() < (code(plain_book) - drifted).abs()).all()
     assert err.sum() < 1.5 * plain_err.sum()
-    vector = VectorSpec(((8, 2), ))
+    vector = VectorSpec(((8, 2),))
     assert all(torch.equal(a, b) for a, b in zip(fit(samples, vector, tails=True).tables[0],
                                                  fit(samples, vector).tables[0]))
 
