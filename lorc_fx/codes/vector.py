@@ -97,9 +97,12 @@ class VectorSpec:
 
 @dataclass(frozen=True)
 class VectorBook:
-    """Per run of a :class:`VectorSpec`: ``(codewords, reconstructions)``, each ``(S, K, d)``."""
+    """Per run of a :class:`VectorSpec`: ``(codewords, reconstructions)``, each ``(S, K, d)``;
+    ``drift_chunk``: the cache positions a drift offset covers where a cache codes each chunk
+    about its drift from the first (``cache.stores.drift``), 0 where it does not."""
     spec: VectorSpec
     tables: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    drift_chunk: int = 0
 
     def __post_init__(self):
         for (_, subs, d, ib), (codewords, values) in zip(self.spec.layout(), self.tables, strict=True):
@@ -124,7 +127,8 @@ class VectorBook:
         return sum(c.nbytes + v.nbytes for c, v in self.tables)
 
     def to(self, device: torch.device | str) -> "VectorBook":
-        return VectorBook(self.spec, tuple((c.to(device), v.to(device)) for c, v in self.tables))
+        return VectorBook(self.spec, tuple((c.to(device), v.to(device)) for c, v in self.tables),
+                          self.drift_chunk)
 
 
 @dataclass(frozen=True)

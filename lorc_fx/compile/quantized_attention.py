@@ -21,7 +21,9 @@ products ``q·scale`` are per group, ``n / G`` times fewer than the codes).
 A side stored as product vector codes (``lorc::vector_latents``' arguments, tagged
 ``VECTOR``) is read the same way by ``_VectorPositions``: scores by a table of the query's dot
 products with the codewords, value sums decoding 8 slots at a time in the kernel
-(``lorc::vector_scores`` / ``vector_sums``), each row's sink by its latent.
+(``lorc::vector_scores`` / ``vector_sums``), each row's sink by its latent. A drift offset
+(constant over a chunk of slots, ``cache.stores.drift``) adds the query's product with each
+chunk's offset to that chunk's scores, and each chunk's weight times its offset to the sums.
 
 Attention runs over a side's *positions*: the codes' slots, then the window's rows
 (``_Positions``). Slots past ``length`` (a padded group, a cache's spare slots) and rows past
@@ -51,6 +53,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorc_fx.cache.stores import drift
 from lorc_fx.cache.stores.vector_ops import vector_decode
 from lorc_fx.codes.vector import BLOCK, layout_of
 from lorc_fx.kernels import vector_reductions
@@ -313,16 +316,28 @@ class _Positions:
 class _VectorPositions(_Positions):
     """A side stored as product vector codes (``lorc::vector_latents``' arguments): the
     codes' slots (every whole block, spare blocks included; the first ``coded`` hold tokens),
-    then the window's rows, each row's sink read in place of its position's code. Scores and
+    then the window's rows, each row's sink read in place of its position's code, each slot's
+    code plus its chunk's drift offset where there is a drift table ``means``. Scores and
     sums read the codes (``lorc::vector_scores`` / ``vector_sums``), never the latent rebuilt,
     where their kernel serves; elsewhere they multiply the codes decoded."""
 
-    def __init__(self, payload, tables, window, coded, tokens, sink, sink_at):
+    def __init__(self, payload, tables, window, coded, tokens, sink, sink_at, means=None,
+                 chunk=0):
         self.codes, self.window, self.order = (list(payload), list(tables)), window, None
         self.length, self.rows, self.tokens = coded, window.shape[-2], tokens
         self.heads, self.device = 1, window.device
         self.slots = payload[0].shape[-1] // layout_of(tables)[0][3] * BLOCK
         self.sink, self.sink_at = sink, sink_at
+        # each chunk's drift offset (b, 1, rows, r), or None
+        self.offsets = None if means is None else drift.offsets(means.float())[:, None]
+        self.chunk = chunk
+
+    def _decoded(self):
+        """Every slot's latent ``(b, 1, slots, r)`` in float32, its drift offset added."""
+        decoded = vector_decode(*self.codes)[:, None].float()
+        if self.offsets is None:
+            return decoded
+        return decoded + drift.spread(self.offsets, self.slots, self.chunk, dim=2)
 
     def _sink_position(self, like, m: int):
         """Each row's sink's position, as an index ``(b, 1, m, 1)`` into ``like``'s last axis."""
@@ -338,8 +353,11 @@ class _VectorPositions(_Positions):
         q = q.float()
         if vector_reductions.native_applies(q.device):
             codes = torch.ops.lorc.vector_scores(q[:, 0], *self.codes)[:, None]
+            if self.offsets is not None:  # each chunk's q·offset, spread over its slots
+                by_chunk = q @ self.offsets.transpose(-1, -2)  # (b, 1, m, rows)
+                codes = codes + drift.spread(by_chunk, self.slots, self.chunk, dim=-1)
         else:  # no kernel here: the codes decoded
-            codes = q @ vector_decode(*self.codes)[:, None].float().transpose(-1, -2)
+            codes = q @ self._decoded().transpose(-1, -2)
         scores = torch.cat([codes, q @ self.window.transpose(-1, -2).float()], dim=-1)
         if self.sink is None:
             return scores
@@ -347,8 +365,10 @@ class _VectorPositions(_Positions):
                               q @ self.sink.transpose(-1, -2).float())
 
     def turns(self) -> bool:
-        """Whether ``turned_scores`` reads these codes in the C++ kernel."""
-        return vector_reductions.turned_applies(self.device, self.codes[1])
+        """Whether ``turned_scores`` reads these codes in the C++ kernel (not with drift
+        offsets, which turn with each position: those keys are rebuilt from ``values()``)."""
+        return self.offsets is None and vector_reductions.turned_applies(self.device,
+                                                                          self.codes[1])
 
     def turned_scores(self, ab, cos, sin, style: str, pairs):
         """Scores of keys cached before RoPE in a RoPE-commuting basis (each channel on rotary
@@ -373,7 +393,7 @@ class _VectorPositions(_Positions):
 
     def values(self):
         """The side's latent in position order ``(b, 1, positions, r)``, a sink's as it came."""
-        decoded = vector_decode(*self.codes)[:, None].to(self.window.dtype)
+        decoded = self._decoded().to(self.window.dtype)
         latents = torch.cat([decoded, self.window], dim=-2)
         if self.sink is None:
             return latents
@@ -390,8 +410,14 @@ class _VectorPositions(_Positions):
             p = p.scatter(-1, at, torch.zeros_like(on_sink))
         if vector_reductions.native_applies(p.device):
             out = torch.ops.lorc.vector_sums(p[:, 0, :, :self.slots], *self.codes)[:, None]
+            if self.offsets is not None:  # each chunk's weight times its offset
+                at = drift.row_of(torch.arange(self.slots, device=p.device),
+                                  self.offsets.shape[2], self.chunk)
+                by_chunk = p.new_zeros(*p.shape[:-1], self.offsets.shape[2]).index_add(
+                    -1, at, p[..., :self.slots])
+                out = out + by_chunk @ self.offsets
         else:  # no kernel here: the codes decoded
-            out = p[..., :self.slots] @ vector_decode(*self.codes)[:, None].float()
+            out = p[..., :self.slots] @ self._decoded()
         out = out + p[..., self.slots:] @ self.window.float()
         return out if self.sink is None else out + on_sink * self.sink.float()
 

@@ -45,6 +45,9 @@ RETRIEVAL_WEIGHT = 16.0
 MAX_PPL_INCREASE = 10.0  # a target above ×11 perplexity is a typo, not a quality target
 # the calibration text sampled from the model itself (``calibration.self_generated_windows``)
 SELF_TEXT = "self"
+# cache positions a vector plan's drift offset covers (``cache.stores.drift``): chunks of 1024
+# found every relay answer at 8k the codes alone lost, at 0.014 bits per value (docs/results.md)
+DRIFT_CHUNK = 1024
 
 
 def option(default, help: str, check: Callable | None = None, parse: Callable | None = None,
@@ -234,6 +237,13 @@ class PlanOptions:
         "retrieval at 8k tokens (docs/results.md), for more loss on short text",
         lambda x: None if isinstance(x, bool)
         else f"codebook_tails must be True or False, got {x!r}")
+    drift_chunk: int = option(
+        DRIFT_CHUNK, "vector codes: each chunk of this many cache positions is coded about its "
+        "mean latent's drift from the first chunk's, measured at the prefill (one row of "
+        "offsets a chunk, counted in the budget), so a long context's keys are not clipped "
+        "where they drift past the calibration latents; 0: no offsets",
+        lambda x: None if isinstance(x, int) and not isinstance(x, bool) and (x == 0 or x >= 8)
+        else f"drift_chunk must be 0 or a whole number >= 8, got {x!r}", int)
     # latents stored as latent_bits-bit codes, per channel over groups of latent_group tokens;
     # 16: not quantized; auto: the storage scheme and its width measured (``lorc_fx.search``)
     latent_bits: int | str = option(

@@ -202,6 +202,7 @@ def _options(data: dict) -> PlanOptions:
     if data.get("bits_per_value") is not None:  # up to version 5 both were always set
         data["cache_fraction"] = None
     data.setdefault("retrieval_weight", 1.0)  # plans before it weighed no layer up
+    data.setdefault("drift_chunk", 0)  # plans before it coded no drift
     return PlanOptions(**data, calibration=CalibrationOptions(**calibration))
 
 
@@ -226,7 +227,7 @@ def _code(f, name: str, data: dict | None, dtype_bits: int, source: Path) -> Cod
         tables = tuple((_tensor(f, f"{name}.{i}.codewords", None, source),
                         _tensor(f, f"{name}.{i}.values", None, source))
                        for i in range(len(spec.runs)))
-        return VectorBook(spec, tables)
+        return VectorBook(spec, tables, data.get("drift_chunk", 0))  # none before it
     if "bit_runs" in data:
         return ChannelSplit(tuple((c, b) for c, b in data["bit_runs"]), data["group"], scales)
     return QuantSpec(data["bits"], data["group"], data["axis"], scales)

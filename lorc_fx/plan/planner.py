@@ -47,7 +47,8 @@ def code_bits(code: Code, rows: int, float_bits: int) -> float:
     if code is None:
         return rows * float_bits
     if isinstance(code, VectorBook):
-        return sum(c * b for c, b in code.spec.runs) + rows * float_bits / SINK_SEQUENCE
+        drift = rows * float_bits / code.drift_chunk if code.drift_chunk else 0
+        return sum(c * b for c, b in code.spec.runs) + rows * float_bits / SINK_SEQUENCE + drift
     if isinstance(code, RowSpec):
         return rows * code.bits_per_value()
     runs = code.parts if isinstance(code, ChannelSplit) else ((rows, code.bits),)
@@ -60,7 +61,7 @@ def code_json(code: Code) -> dict | None:
         return None
     if isinstance(code, VectorBook):
         return {"vector_runs": [list(r) for r in code.spec.runs],
-                "tuple_dims": code.spec.tuple_dims}
+                "tuple_dims": code.spec.tuple_dims, "drift_chunk": code.drift_chunk}
     if isinstance(code, ChannelSplit):
         return {"bit_runs": [list(r) for r in code.parts], "group": code.group}
     if isinstance(code, RowSpec):

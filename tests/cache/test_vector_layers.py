@@ -37,7 +37,10 @@ def model():
 
 @pytest.fixture(scope="module", params=["reconstruct"])
 def plan(model, request):
-    mode = dict(objective="speed") if request.param == "speed" else dict(rope=request.param)
+    # "speed": keys before RoPE in a RoPE-commuting basis, scored from their codes by
+    # ``lorc::vector_turned_scores``, which reads no drift offsets (those keys are rebuilt)
+    mode = dict(objective="speed", drift_chunk=0) if request.param == "speed" \
+        else dict(rope=request.param)
     return _vector_plan(model, BUDGET, **mode)
 
 
@@ -75,7 +78,8 @@ def test_the_plan_codes_every_layer_within_the_budget(plan):
 def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan):
     """Blocks are coded alone, so a prefill then one token a step holds the codes of one
     prefill of all the tokens; attention reads position 0 as it came (the sink), every other
-    token decoded; the bytes are the codes', the sink's and the window's."""
+    token decoded; the bytes are the codes', the sink's, the window's and the drift
+    table's."""
     compress(model, plan=plan)
     tokens = torch.randint(3, VOCAB, (2, 29), generator=torch.Generator().manual_seed(1))
     whole, steps = latent_cache(model), latent_cache(model)
@@ -98,7 +102,9 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
     itemsize = 4  # float32 model
     r = sum(l.k_rank + l.v_rank for l in plan.layers)
     codes = sum(side.codes.nbytes for l in whole.layers for side in (l.k_store, l.v_store))
+    drift_rows = -(-29 // plan.options.drift_chunk)  # a row of drift offsets a chunk reached
     assert whole.cache_bytes() == (codes + 2 * r * itemsize * (1 + 29 % BLOCK)
+                                   + 2 * r * itemsize * drift_rows
                                    + sum(t.nbytes for t in whole.rotary.tensors()))
 
 
@@ -142,14 +148,58 @@ def test_a_static_store_holds_the_codes_of_one_encode_and_the_sink_as_it_came():
     torch.testing.assert_close(read, expected)
 
 
+def test_drift_offsets_code_each_chunk_about_its_drift_from_the_first():
+    """Latents drifting away from the books (a ramp of 0.15 a token): a prefill measures each
+    16-token chunk's mean but the sink's, and codes every chunk about its offset from the
+    first, which it codes as without offsets, bit for bit; later chunks come back far closer
+    than without offsets, and a chunk the prefill did not reach takes the last offset. The
+    static store written alike reads what the dynamic one holds as codes; cut and batch
+    selection keep each token as it was read."""
+    spec = VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8)
+    plain, drifting = _book(spec), replace(_book(spec), drift_chunk=16)
+    gen = torch.Generator().manual_seed(3)
+    latents = torch.randn(2, 1, 60, spec.width, generator=gen) + 0.15 * torch.arange(60.)[:, None]
+
+    def fed(store, prefill=40):
+        window = store.append(torch.tensor([]), latents[:, :, :prefill])
+        for t in range(prefill, 60):
+            window = store.append(window, latents[:, :, t:t + 1])
+        return window
+
+    ours, theirs = VectorStore(drifting), VectorStore(plain)
+    window = fed(ours)
+    read, without = ours.read(window), theirs.read(fed(theirs))
+    assert torch.equal(read[:, :, :16], without[:, :, :16])
+    means = torch.stack([latents[:, 0, 1:16].mean(1), latents[:, 0, 16:32].mean(1),
+                         latents[:, 0, 32:40].mean(1)], 1)
+    torch.testing.assert_close(ours.means[:, :3], means)
+    assert torch.equal(ours.means[:, 3], ours.means[:, 2])  # past the prefill: the last
+    err = lambda x: (x[:, :, 16:56] - latents[:, :, 16:56]).pow(2).mean()  # noqa: E731
+    assert err(read) < err(without) / 4
+    static = VectorStaticStore(drifting)
+    static_window = static.allocate(latents, torch.eye(spec.width), 64)
+    start = 0
+    for t in [40] + [1] * 20:
+        static.write(static_window, latents[:, :, start:start + t],
+                     torch.arange(start, start + t), torch.tensor(start))
+        start += t
+    torch.testing.assert_close(static.read(static_window)[:, :, :ours.coded],
+                               read[:, :, :ours.coded])
+    window = ours.cut(window, 37)
+    torch.testing.assert_close(ours.read(window), read[:, :, :37])
+    ours.map_batch(lambda x: x[1:])
+    torch.testing.assert_close(ours.read(window[1:]), read[1:, :, :37])
+
+
 @pytest.mark.inductor
 def test_inductor_codes_and_reads_as_eager():
     """The stores' steps lowered by Inductor (C++ on CPU: nearest codewords, bit packing,
     the splice and the gathers) code and read what eager stores do, step by step: a dynamic
     store's 11 one-token appends after a 13-token prompt (two blocks fill), in one graph for
     every step, and a static store's writes. Two runs (two-per-byte and five-bit indices):
-    the compile is what takes the time."""
-    book = _book(VectorSpec(((4, 4), (4, 2.5)), tuple_dims=8))
+    the compile is what takes the time. Drift offsets each 8 positions: the prompt measures
+    two chunks, the steps reach a third."""
+    book = replace(_book(VectorSpec(((4, 4), (4, 2.5)), tuple_dims=8)), drift_chunk=8)
     latents = torch.randn(2, 1, 24, book.spec.width, generator=torch.Generator().manual_seed(2))
 
     def append(store, window, new):
@@ -241,8 +291,8 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
     Static: every write packs its tokens' indices into their blocks in place, each row's sink
     where it falls (row 1's after its left padding). Every decode attention reads the codes
     (``lorc::vector_sums``; keys cached after RoPE ``lorc::vector_scores`` too, no latent
-    decoded; keys before RoPE in a RoPE-commuting basis, ``objective="speed"``,
-    ``lorc::vector_turned_scores``, no latent decoded either)."""
+    decoded; keys before RoPE in a RoPE-commuting basis, ``objective="speed"`` without drift
+    offsets, ``lorc::vector_turned_scores``, no latent decoded either)."""
     from torch._dynamo.utils import counters
 
     # as in a new process (the package's ``install`` function hides its module's name)
@@ -287,6 +337,42 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
         layer = got.past_key_values.layers[0]
         assert isinstance(layer.k_store, VectorStaticStore)
         assert layer.k_store.sink_at.tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+@pytest.mark.parametrize("plan", ["reconstruct", "commute"], indirect=True)
+def test_compiled_decode_reads_drift_offsets_as_eager(model, plan, cache):
+    """Drift offsets each 8 positions, a 24-token prompt (three chunks measured, the steps
+    reaching four more): compiled (the passes, without Inductor) in two graphs, decode
+    attention adds each chunk's offset to the scores of its slots (keys after RoPE) or to the
+    keys rebuilt (before RoPE) and to the value sums, and generates the eager tokens."""
+    plan = _with_drift(plan, 8)
+    compress(model, plan=plan)
+    ids, mask = prompt(length=24)
+    eager = generate(model, ids, mask, cache, new_tokens=30)
+    offsets = [layer.k_store.means for layer in eager.past_key_values.layers]
+    assert all(not torch.equal(m[:, 1], m[:, 0]) for m in offsets)
+    graphs = []
+    backend = lorc_backend.with_options(inductor=False)
+
+    def spy(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    with compiled(model, spy):
+        got = generate(model, ids, mask, cache, new_tokens=30)
+    assert len(graphs) == 2
+    assert [r.absorbed for r in backend.reports][-1] == model.config.num_hidden_layers
+    assert torch.equal(got.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(eager.logits),
+                               atol=1e-4, rtol=1e-4)
+
+
+def _with_drift(plan, chunk: int):
+    """``plan`` with its books' drift offsets each ``chunk`` positions."""
+    return replace(plan, options=replace(plan.options, drift_chunk=chunk), layers=[
+        replace(l, k_code=replace(l.k_code, drift_chunk=chunk),
+                v_code=replace(l.v_code, drift_chunk=chunk)) for l in plan.layers])
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "bloom"])

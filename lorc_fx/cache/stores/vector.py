@@ -9,7 +9,10 @@
   ``values`` hold it);
 - a **sink**: each row's first token's latent in the latents' dtype, read instead of its code
   (position 0, or where ``place_sinks`` says: ``generate`` places each row's after its left
-  padding, from the attention mask).
+  padding, from the attention mask);
+- where the book says (``VectorBook.drift_chunk``), **drift offsets**: each chunk's mean
+  latent ``(b, rows, r)``, measured at the prefill; tokens are coded about their chunk's
+  drift from the first chunk (``stores.drift``).
   The first token draws attention out of all proportion to its content (the attention sink);
   coded, its error costs more than every other token's (measured: ×2.46 perplexity on news at
   2.56 bits without it, ×1.043 with it; docs/findings.md). Its code is stored too, so blocks
@@ -44,6 +47,7 @@ import torch
 from lorc_fx.codes.integer import splice
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorCodes, decode
 
+from . import drift
 from .integer import SPARE_ROWS, with_spare_rows
 from .vector_ops import vector_encode, vector_latents
 
@@ -59,6 +63,7 @@ class VectorStore:
         self.sink: torch.Tensor | None = None  # (b, 1, 1, r): each row's first token as it came
         self.sink_at: torch.Tensor | None = None  # (b,) its position; None: position 0
         self.started = False
+        self.means: torch.Tensor | None = None  # (b, rows, r) drift offsets' chunk means
 
     def _index_bytes(self) -> list[int]:
         """Bytes a block of each run's indices takes."""
@@ -117,6 +122,9 @@ class VectorStore:
             self.sink = new.gather(2, self._sink_index(new).clamp_max(new.shape[2] - 1)).clone()
         held, incoming = window.shape[-2] - SPARE_ROWS, new.shape[-2]
         tokens = held + incoming
+        chunk = self.book.drift_chunk
+        if chunk:
+            self._measure(new[:, 0], self.coded + held, chunk)
         # as IntegerStore.append: the new tokens over the spare rows, and one row more
         grown = torch.cat([window, new.new_zeros(*new.shape[:-2], incoming + 1, new.shape[-1])],
                           dim=-2).slice_scatter(new, dim=2, start=held, end=tokens)
@@ -128,7 +136,11 @@ class VectorStore:
         rows = (BLOCK - 1 + incoming) // BLOCK * BLOCK + BLOCK
         staged = torch.cat([grown, grown.new_zeros(*new.shape[:-2], rows, new.shape[-1])],
                            dim=-2).narrow(2, 0, rows)
-        fresh = vector_encode(staged[:, 0], self.book.codewords)
+        coding = staged[:, 0]
+        if chunk:  # each token about its chunk's drift
+            offsets = drift.offsets_at(self.means, self.coded, rows, chunk)
+            coding = coding - offsets.to(coding.dtype)
+        fresh = vector_encode(coding, self.book.codewords)
         blocks = self.coded // BLOCK
         self.payload = tuple(splice(old, new_codes, -1, blocks * ib,
                                     (blocks + whole // BLOCK + SPARE_BLOCKS) * ib)
@@ -136,16 +148,28 @@ class VectorStore:
                                                            self._index_bytes()))
         return grown.narrow(2, whole, tokens + SPARE_ROWS - whole).clone()
 
+    def _measure(self, new: torch.Tensor, start, chunk: int) -> None:
+        """The drift table grown to the tokens after ``new (b, n, r)`` (written from position
+        ``start``), and measured where this write is a prefill (``drift.measured``)."""
+        rows, traced = drift.rows_for(start + new.shape[1], chunk), torch.compiler.is_compiling()
+        if self.means is None:
+            self.means = new.new_zeros(new.shape[0], rows, new.shape[-1])
+        elif traced or rows != self.means.shape[1]:  # eager: only where a chunk begins
+            self.means = drift.grown(self.means, rows)
+        if traced or (start == 0 and new.shape[1] >= drift.least_tokens(chunk)):
+            self.means = drift.measured(self.means, new, start, self.sink_at, chunk)
+
     def read(self, window: torch.Tensor) -> torch.Tensor:
-        """Every token's latent ``(b, 1, n, r)``: decoded codes, then the window's tokens;
-        each row's sink as it came."""
+        """Every token's latent ``(b, 1, n, r)``: decoded codes (each plus its chunk's drift
+        offset), then the window's tokens; each row's sink as it came."""
         if self.payload is None:
             tokens = window
             if self.sink is None:
                 return tokens
             return tokens.scatter(2, self._sink_index(tokens), self.sink.to(tokens.dtype))
         return vector_latents(list(self.payload), self.book.reconstructions, window, self.coded,
-                              self.tokens(window), self.sink, self.sink_at)
+                              self.tokens(window), self.sink, self.sink_at, self.means,
+                              self.book.drift_chunk)
 
     def cut(self, window: torch.Tensor, keep: int) -> torch.Tensor:
         """Keep the first ``keep`` tokens (fewer than held): whole blocks stay coded, the rest
@@ -156,18 +180,25 @@ class VectorStore:
                                                     and int(self.sink_at.max()) >= keep)):
             self.sink = None
         self.started = keep > 0
+        chunk = self.book.drift_chunk
+        if self.means is not None:  # the rows of the tokens kept (none: measured afresh)
+            self.means = self.means[:, :drift.rows_for(keep, chunk)] if keep else None
         if self.payload is None:
             return window[:, :, :keep]
         if keep >= coded:
             return with_spare_rows(window[:, :, :keep - coded])
         blocks = keep // BLOCK
         tail = decode(self.codes, self.book)[:, None, blocks * BLOCK:keep].to(window.dtype)
+        if chunk:
+            start = blocks * BLOCK
+            offsets = drift.offsets_at(self.means, start, keep - start, chunk)
+            tail = tail + offsets[:, None].to(tail.dtype)
         self.payload = tuple(p[..., :(blocks + SPARE_BLOCKS) * ib].clone()
                              for p, ib in zip(self.payload, self._index_bytes()))
         return with_spare_rows(tail)
 
     def map_batch(self, fn) -> None:
-        for name in ("sink", "sink_at"):
+        for name in ("sink", "sink_at", "means"):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
         if self.payload is not None:
@@ -177,11 +208,16 @@ class VectorStore:
         """The window's and the codes' tensors, each with its axis that grows with tokens."""
         if self.payload is None:
             return []
-        return [(window, 2)] + [(p, 2) for p in self.payload]
+        return ([(window, 2)] + [(p, 2) for p in self.payload]
+                + ([] if self.means is None else [(self.means, 1)]))
 
     def tensors(self, window: torch.Tensor) -> list[torch.Tensor]:
-        """The window's tokens, the sink and the packed indices of the coded tokens (the book
-        is the model's, like its weights: ``VectorBook.nbytes``)."""
+        """The window's tokens, the sink, the packed indices of the coded tokens and the drift
+        table's rows of the chunks the tokens reach (the book is the model's, like its
+        weights: ``VectorBook.nbytes``)."""
         out = [self.window_tokens(window)] + ([] if self.sink is None else [self.sink])
+        if self.means is not None:
+            chunks = drift.rows_for(self.tokens(window), self.book.drift_chunk) - 1
+            out.append(self.means[:, :chunks])
         codes = self.codes
         return out + ([] if codes is None else list(codes.payload))

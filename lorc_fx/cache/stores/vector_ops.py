@@ -5,10 +5,11 @@ side instead of every run's unpacking, gathers and packing traced out:
   blocks·index bytes)`` of ``n`` (a whole number of blocks) tokens;
 - ``lorc::vector_decode(payload, values)``: the latents ``(b, blocks·BLOCK, r)`` of every
   block of slots, in the reconstructions' dtype;
-- ``lorc::vector_latents(payload, values, window, coded, tokens, sink, sink_at)``: what
-  attention reads of a side, every token's latent ``(b, 1, tokens, r)``: the first ``coded``
-  decoded, then the window's rows, each row's sink written over its position; decode steps
-  read the codes themselves instead (``compile.quantized_attention`` finds this op);
+- ``lorc::vector_latents(payload, values, window, coded, tokens, sink, sink_at, means,
+  chunk)``: what attention reads of a side, every token's latent ``(b, 1, tokens, r)``: the
+  first ``coded`` decoded (each plus its chunk's drift offset, ``stores.drift``), then the
+  window's rows, each row's sink written over its position; decode steps read the codes
+  themselves instead (``compile.quantized_attention`` finds this op);
 - ``lorc::vector_rewritten(payload, z (b, t, r), scaled, norms, start)``: the blocks of a static
   store's ``(b, S, blocks, index bytes)`` that ``t`` tokens written from token ``start`` (a
   0-d tensor) reach, their indices packed in; the store copies them back in place.
@@ -32,6 +33,8 @@ from lorc_fx.codes.vector import (BLOCK, layout_of, packed_runs, rebuilt, run_in
                                   unpacked_runs)
 from lorc_fx.kernels import vector_reductions
 from lorc_fx.kernels.nearest_codeword import nearest_codeword
+
+from . import drift
 
 
 @custom_op("lorc::vector_encode", mutates_args=())
@@ -68,11 +71,18 @@ def _(payload, values):
 
 @custom_op("lorc::vector_latents", mutates_args=())
 def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, coded: int,
-                   tokens: int, sink: Tensor | None, sink_at: Tensor | None) -> Tensor:
+                   tokens: int, sink: Tensor | None, sink_at: Tensor | None,
+                   means: Tensor | None, chunk: int) -> Tensor:
     """Every token's latent ``(b, 1, tokens, r)`` in the window's dtype: the first ``coded``
-    slots of the codes decoded, then the window's ``(b, 1, rows, r)`` first rows; each row's
-    ``sink (b, 1, 1, r)`` over its position ``sink_at (b,)`` (0 where None)."""
-    decoded = vector_decode(payload, values)[:, None].to(window.dtype)
+    slots of the codes decoded, each plus its drift offset where there is a drift table
+    ``means (b, rows, r)`` of ``chunk`` positions a row, then the window's ``(b, 1, rows, r)``
+    first rows; each row's ``sink (b, 1, 1, r)`` over its position ``sink_at (b,)`` (0 where
+    None)."""
+    decoded = vector_decode(payload, values)
+    if means is not None:
+        decoded = decoded + drift.spread(drift.offsets(means), decoded.shape[1], chunk).to(
+            decoded.dtype)
+    decoded = decoded[:, None].to(window.dtype)
     both = torch.cat([decoded, window], dim=-2)
     # the coded tokens, then the window's (past the code slots, spare ones included): a
     # gather, so no tensor has the coded tokens' length alone (0 until a block fills)
@@ -86,7 +96,7 @@ def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, 
 
 
 @vector_latents.register_fake
-def _(payload, values, window, coded, tokens, sink, sink_at):
+def _(payload, values, window, coded, tokens, sink, sink_at, means, chunk):
     return window.new_empty(window.shape[0], 1, tokens, window.shape[-1])
 
 

@@ -9,7 +9,10 @@ once for every position:
 - **codes**: per run, ``(b, S, blocks, index bytes)`` uint8 with ``blocks = ceil(max_cache_len
   / BLOCK) + 1`` (one spare: a write stages one block past the last it reaches);
 - a **sink** ``(b, 1, 1, r)``: each row's first token's latent as it came (``place_sinks``),
-  written by whichever write covers its position, read instead of its code.
+  written by whichever write covers its position, read instead of its code;
+- where the book says (``VectorBook.drift_chunk``), the **drift table** ``(b, rows, r)`` of
+  every chunk of ``max_cache_len``, measured by the prefill's write (``stores.drift``): each
+  token coded about its chunk's drift from the first chunk.
 
 A token's index depends on that token alone, so a write of ``t`` tokens needs no window of
 full-precision tokens: it reads the ``ceil(t / BLOCK) + 1`` blocks from the one ``start``
@@ -17,9 +20,10 @@ falls in, unpacks their indices, writes the new tokens' over them and packs them
 token is read from its code from the step it is written (the dynamic store reads the tokens
 of the block not yet full from its window, in full precision): the two agree on whole blocks.
 
-What attention reads is all ``max_cache_len`` positions decoded, each row's sink written over
-its position (positions past the cache's length are masked). Bytes: the codes of
-``max_cache_len`` tokens in whole blocks, the spare block and the sink.
+What attention reads is all ``max_cache_len`` positions decoded (each plus its drift offset),
+each row's sink written over its position (positions past the cache's length are masked).
+Bytes: the codes of ``max_cache_len`` tokens in whole blocks, the spare block, the sink and
+the drift table.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from lorc_fx.codes.vector import BLOCK, VectorBook
 from lorc_fx.kernels.nearest_codeword import distance_terms
 
+from . import drift
 from .full import buffer
 from .vector_ops import rewritten_blocks, vector_latents, vector_rewritten
 
@@ -42,6 +47,7 @@ class VectorStaticStore:
         self.sink: torch.Tensor | None = None
         self.sink_at: torch.Tensor | None = None  # (b,); None: position 0
         self.max_cache_len = 0
+        self.means: torch.Tensor | None = None  # (b, rows, r) drift offsets' chunk means
         # each run's -2c and |c|² (``distance_terms``), formed once for the writes
         self.terms: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
@@ -67,6 +73,9 @@ class VectorStaticStore:
         self.sink = buffer(states, basis, 1)
         self.sink_at = (states.new_zeros(b, dtype=torch.long) if self.sink_at is None
                         else self.sink_at.to(states.device))
+        chunk = self.book.drift_chunk
+        if chunk:
+            self.means = self.sink.new_zeros(b, -(-max_cache_len // chunk), self.sink.shape[-1])
         return window
 
     def write(self, window: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
@@ -75,8 +84,13 @@ class VectorStaticStore:
         tensor), in place."""
         b, _, t, r = states.shape
         block = rewritten_blocks(start, t)
+        coding, chunk = states[:, 0], self.book.drift_chunk
+        if chunk:  # each token about its chunk's drift, measured first where this is a prefill
+            if torch.compiler.is_compiling() or t >= drift.least_tokens(chunk):
+                self.means.copy_(drift.measured(self.means, coding, start, self.sink_at, chunk))
+            coding = coding - drift.offsets_at(self.means, start, t, chunk).to(coding.dtype)
         for codes, new in zip(self.payload, vector_rewritten(
-                list(self.payload), states[:, 0], *self.terms, start)):
+                list(self.payload), coding, *self.terms, start)):
             codes.index_copy_(2, block, new)
         # the sink, where this write covers it (a where, not a branch)
         local = (self.sink_at - start).clamp(0, t - 1).view(b, 1, 1, 1).expand(b, 1, 1, r)
@@ -84,12 +98,13 @@ class VectorStaticStore:
         self.sink.copy_(torch.where(covered, states.gather(2, local), self.sink))
 
     def read(self, window: torch.Tensor) -> torch.Tensor:
-        """Every allocated position decoded ``(b, 1, max_cache_len, r)``, each row's sink as
-        it came (``window`` has no rows)."""
+        """Every allocated position decoded ``(b, 1, max_cache_len, r)`` (plus its drift
+        offset), each row's sink as it came (``window`` has no rows)."""
         return vector_latents([p.flatten(-2) for p in self.payload], self.book.reconstructions,
                               window.to(self.sink.dtype), self.max_cache_len, self.max_cache_len,
-                              self.sink, self.sink_at)
+                              self.sink, self.sink_at, self.means, self.book.drift_chunk)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Packed codes and the sink (the window is the layer's)."""
-        return [*self.payload] + ([] if self.sink is None else [self.sink])
+        """Packed codes, the sink and the drift table (the window is the layer's)."""
+        return ([*self.payload] + ([] if self.sink is None else [self.sink])
+                + ([] if self.means is None else [self.means]))

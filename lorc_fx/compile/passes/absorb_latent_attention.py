@@ -81,7 +81,8 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
               "enable_gqa")
 _RECONSTRUCT_ARGS = ("latent", "basis", "num_heads")
 _ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style", "pairs")
-_VECTOR_ARGS = ("payload", "values", "window", "coded", "tokens", "sink", "sink_at")
+_VECTOR_ARGS = ("payload", "values", "window", "coded", "tokens", "sink", "sink_at", "means",
+                "chunk")
 _DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width",
                     "dtype")
 # query tokens up to which attention over pre-RoPE keys or quantized sides materialises its
