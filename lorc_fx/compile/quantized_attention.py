@@ -365,10 +365,8 @@ class _VectorPositions(_Positions):
                               q @ self.sink.transpose(-1, -2).float())
 
     def turns(self) -> bool:
-        """Whether ``turned_scores`` reads these codes in the C++ kernel (not with drift
-        offsets, which turn with each position: those keys are rebuilt from ``values()``)."""
-        return self.offsets is None and vector_reductions.turned_applies(self.device,
-                                                                          self.codes[1])
+        """Whether ``turned_scores`` reads these codes in the C++ kernel."""
+        return vector_reductions.turned_applies(self.device, self.codes[1])
 
     def turned_scores(self, ab, cos, sin, style: str, pairs):
         """Scores of keys cached before RoPE in a RoPE-commuting basis (each channel on rotary
@@ -381,6 +379,8 @@ class _VectorPositions(_Positions):
         slots = lambda x: per_pair(x[:, :self.slots], style).float()  # noqa: E731  (b, slots, P)
         at = torch.tensor(pairs, dtype=torch.int32)  # each channel's pair, a graph constant
         codes = torch.ops.lorc.vector_turned_scores(ab, slots(cos), slots(sin), at, *self.codes)
+        if self.offsets is not None:
+            codes = codes + self._turned_offsets(ab, slots(cos), slots(sin), pairs)
         window = self.window[:, 0].float()  # (b, rows, r)
         rows = turned(window, cos[:, self.slots:], sin[:, self.slots:], style, pairs)
         scores = torch.cat([codes, ab @ rows.transpose(1, 2)], dim=-1)
@@ -390,6 +390,21 @@ class _VectorPositions(_Positions):
         angle = lambda x: x.gather(1, at.expand(-1, -1, rotary_dim))  # noqa: E731
         sink = turned(self.sink[:, 0].float(), angle(cos), angle(sin), style, pairs)
         return scores.scatter(-1, at.expand(-1, ab.shape[1], 1), ab @ sink.transpose(1, 2))
+
+    def _turned_offsets(self, ab, cos, sin, pairs):
+        """The scores ``(b, m, slots)`` of each slot's drift offset turned by the slot's angles
+        (``cos``/``sin`` ``(b, slots, P)``, one a rotary pair): an offset is constant over its
+        chunk, so each query row's ``(α, β)`` times each chunk's offset is summed per pair
+        first ``(b, m, rows, 2P)``, then dotted with the angles of the chunk's slots, a chunk at
+        a time (``rows·chunk`` covers every slot: ``stores.drift``)."""
+        offsets = self.offsets[:, 0]  # (b, rows, r)
+        b, rows, r = offsets.shape
+        per_pair = F.one_hot(torch.tensor(pairs), cos.shape[-1]).float()  # (r, P)
+        by_pair = torch.cat([(ab[:, :, None, :r] * offsets[:, None]) @ per_pair,
+                             (ab[:, :, None, r:] * offsets[:, None]) @ per_pair], dim=-1)
+        angles = F.pad(torch.cat([cos, sin], dim=-1), (0, 0, 0, rows * self.chunk - self.slots))
+        scores = torch.einsum("bkjp,bmkp->bmkj", angles.view(b, rows, self.chunk, -1), by_pair)
+        return scores.flatten(2).narrow(2, 0, self.slots)
 
     def values(self):
         """The side's latent in position order ``(b, 1, positions, r)``, a sink's as it came."""

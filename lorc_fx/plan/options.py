@@ -48,6 +48,9 @@ SELF_TEXT = "self"
 # cache positions a vector plan's drift offset covers (``cache.stores.drift``): chunks of 1024
 # found every relay answer at 8k the codes alone lost, at 0.014 bits per value (docs/results.md)
 DRIFT_CHUNK = 1024
+# the fewest: a dynamic store's spare code slots (two blocks of 8) fit in the chunk past its
+# tokens, which attention over the codes relies on (``cache.stores.drift``)
+MIN_DRIFT_CHUNK = 16
 
 
 def option(default, help: str, check: Callable | None = None, parse: Callable | None = None,
@@ -242,8 +245,9 @@ class PlanOptions:
         "mean latent's drift from the first chunk's, measured at the prefill (one row of "
         "offsets a chunk, counted in the budget), so a long context's keys are not clipped "
         "where they drift past the calibration latents; 0: no offsets",
-        lambda x: None if isinstance(x, int) and not isinstance(x, bool) and (x == 0 or x >= 8)
-        else f"drift_chunk must be 0 or a whole number >= 8, got {x!r}", int)
+        lambda x: None if isinstance(x, int) and not isinstance(x, bool)
+        and (x == 0 or x >= MIN_DRIFT_CHUNK)
+        else f"drift_chunk must be 0 or a whole number >= {MIN_DRIFT_CHUNK}, got {x!r}", int)
     # latents stored as latent_bits-bit codes, per channel over groups of latent_group tokens;
     # 16: not quantized; auto: the storage scheme and its width measured (``lorc_fx.search``)
     latent_bits: int | str = option(

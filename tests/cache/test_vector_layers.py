@@ -37,10 +37,7 @@ def model():
 
 @pytest.fixture(scope="module", params=["reconstruct"])
 def plan(model, request):
-    # "speed": keys before RoPE in a RoPE-commuting basis, scored from their codes by
-    # ``lorc::vector_turned_scores``, which reads no drift offsets (those keys are rebuilt)
-    mode = dict(objective="speed", drift_chunk=0) if request.param == "speed" \
-        else dict(rope=request.param)
+    mode = dict(objective="speed") if request.param == "speed" else dict(rope=request.param)
     return _vector_plan(model, BUDGET, **mode)
 
 
@@ -195,12 +192,13 @@ def test_drift_offsets_code_each_chunk_about_its_drift_from_the_first():
 def test_inductor_codes_and_reads_as_eager():
     """The stores' steps lowered by Inductor (C++ on CPU: nearest codewords, bit packing,
     the splice and the gathers) code and read what eager stores do, step by step: a dynamic
-    store's 11 one-token appends after a 13-token prompt (two blocks fill), in one graph for
+    store's 11 one-token appends after a 37-token prompt (two blocks fill), in one graph for
     every step, and a static store's writes. Two runs (two-per-byte and five-bit indices):
-    the compile is what takes the time. Drift offsets each 8 positions: the prompt measures
-    two chunks, the steps reach a third."""
-    book = replace(_book(VectorSpec(((4, 4), (4, 2.5)), tuple_dims=8)), drift_chunk=8)
-    latents = torch.randn(2, 1, 24, book.spec.width, generator=torch.Generator().manual_seed(2))
+    the compile is what takes the time. Drift offsets each 16 positions: the prompt measures
+    three chunks, the steps write the third's last tokens."""
+    book = replace(_book(VectorSpec(((4, 4), (4, 2.5)), tuple_dims=8)), drift_chunk=16)
+    latents = torch.randn(2, 1, 48, book.spec.width, generator=torch.Generator().manual_seed(2))
+    latents = latents + 0.1 * torch.arange(48.)[:, None]  # a drift to code
 
     def append(store, window, new):
         window = store.append(window, new)
@@ -215,21 +213,22 @@ def test_inductor_codes_and_reads_as_eager():
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled_append, compiled_write = torch.compile(append), torch.compile(write)
     eager, lowered = VectorStore(book), VectorStore(book)
-    ours, theirs = eager.append(torch.tensor([]), latents[:, :, :13]), None
-    theirs = lowered.append(torch.tensor([]), latents[:, :, :13])
-    for t in range(13, 24):
+    ours = eager.append(torch.tensor([]), latents[:, :, :37])
+    theirs = lowered.append(torch.tensor([]), latents[:, :, :37])
+    for t in range(37, 48):
         ours, expected = append(eager, ours, latents[:, :, t:t + 1])
         for tensor, dim in lowered.token_axes(theirs):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
         theirs, got = compiled_append(lowered, theirs, latents[:, :, t:t + 1])
         torch.testing.assert_close(got, expected)
-    assert lowered.coded == eager.coded == 24  # the spare slots' bytes may differ
+    assert lowered.coded == eager.coded == 48  # the spare slots' bytes may differ
+    assert not torch.equal(eager.means[:, 2], eager.means[:, 0])
     assert all(torch.equal(a, b) for a, b in zip(lowered.codes.payload, eager.codes.payload))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames == 1
     static_eager, static_lowered = VectorStaticStore(book), VectorStaticStore(book)
-    windows = [s.allocate(latents, torch.eye(book.spec.width), 40)
+    windows = [s.allocate(latents, torch.eye(book.spec.width), 48)
                for s in (static_eager, static_lowered)]
-    for start, t in ((0, 13), (13, 1), (14, 1), (15, 5)):
+    for start, t in ((0, 37), (37, 1), (38, 1), (39, 5)):
         new, at = latents[:, :, start:start + t], torch.tensor(start)
         torch.testing.assert_close(compiled_write(static_lowered, windows[1], new, at),
                                    write(static_eager, windows[0], new, at))
@@ -291,8 +290,8 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
     Static: every write packs its tokens' indices into their blocks in place, each row's sink
     where it falls (row 1's after its left padding). Every decode attention reads the codes
     (``lorc::vector_sums``; keys cached after RoPE ``lorc::vector_scores`` too, no latent
-    decoded; keys before RoPE in a RoPE-commuting basis, ``objective="speed"`` without drift
-    offsets, ``lorc::vector_turned_scores``, no latent decoded either)."""
+    decoded; keys before RoPE in a RoPE-commuting basis, ``objective="speed"``,
+    ``lorc::vector_turned_scores``, no latent decoded either)."""
     from torch._dynamo.utils import counters
 
     # as in a new process (the package's ``install`` function hides its module's name)
@@ -340,13 +339,14 @@ def test_compiled_decode_reads_the_codes_in_one_graph_without_breaks(model, plan
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
-@pytest.mark.parametrize("plan", ["reconstruct", "commute"], indirect=True)
+@pytest.mark.parametrize("plan", ["reconstruct", "commute", "speed"], indirect=True)
 def test_compiled_decode_reads_drift_offsets_as_eager(model, plan, cache):
-    """Drift offsets each 8 positions, a 24-token prompt (three chunks measured, the steps
-    reaching four more): compiled (the passes, without Inductor) in two graphs, decode
-    attention adds each chunk's offset to the scores of its slots (keys after RoPE) or to the
-    keys rebuilt (before RoPE) and to the value sums, and generates the eager tokens."""
-    plan = _with_drift(plan, 8)
+    """Drift offsets each 16 positions, a 24-token prompt (two chunks measured, the steps
+    reaching two more): compiled (the passes, without Inductor) in two graphs, decode
+    attention adds each chunk's offset to the scores of its slots (keys after RoPE; keys
+    before RoPE in a RoPE-commuting basis, turned by each slot's angles) or to the keys
+    rebuilt (before RoPE) and to the value sums, and generates the eager tokens."""
+    plan = _with_drift(plan, 16)
     compress(model, plan=plan)
     ids, mask = prompt(length=24)
     eager = generate(model, ids, mask, cache, new_tokens=30)

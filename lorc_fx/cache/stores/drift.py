@@ -22,7 +22,10 @@ and read as ``decode(codes) + offset``; the sink is read as it came.
 Bytes: a row of ``r`` floats a chunk of the context (``planner.code_bits``: ``r`` stored
 floats each ``chunk`` tokens), the first included. A dynamic store keeps one row past the
 chunks its tokens reach, so the table's axis is never 1 long (a compiled decode step would
-specialise on it); a static one every chunk of ``max_cache_len``.
+specialise on it); a static one every chunk of its code slots. Either way ``rows·chunk``
+covers every code slot (a dynamic store's spare slots are fewer than a chunk of at least
+``options.MIN_DRIFT_CHUNK`` positions), which attention over the codes relies on to read the
+offsets a chunk at a time (``compile.quantized_attention``).
 
 Every function here is tensor maths with no branch on data or on lengths, so the stores'
 compiled writes trace it once.

@@ -11,7 +11,7 @@ once for every position:
 - a **sink** ``(b, 1, 1, r)``: each row's first token's latent as it came (``place_sinks``),
   written by whichever write covers its position, read instead of its code;
 - where the book says (``VectorBook.drift_chunk``), the **drift table** ``(b, rows, r)`` of
-  every chunk of ``max_cache_len``, measured by the prefill's write (``stores.drift``): each
+  every chunk of the code slots, measured by the prefill's write (``stores.drift``): each
   token coded about its chunk's drift from the first chunk.
 
 A token's index depends on that token alone, so a write of ``t`` tokens needs no window of
@@ -75,7 +75,8 @@ class VectorStaticStore:
                         else self.sink_at.to(states.device))
         chunk = self.book.drift_chunk
         if chunk:
-            self.means = self.sink.new_zeros(b, -(-max_cache_len // chunk), self.sink.shape[-1])
+            slots = blocks * BLOCK  # every chunk a slot is in: attention reads them by chunk
+            self.means = self.sink.new_zeros(b, -(-slots // chunk), self.sink.shape[-1])
         return window
 
     def write(self, window: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
