@@ -329,7 +329,7 @@ class _VectorPositions(_Positions):
         self.slots = payload[0].shape[-1] // layout_of(tables)[0][3] * BLOCK
         self.sink, self.sink_at = sink, sink_at
         # each chunk's drift offset (b, 1, rows, r), or None
-        self.offsets = None if means is None else drift.offsets(means.float())[:, None]
+        self.offsets = None if means is None else drift.offsets(means)[:, None]
         self.chunk = chunk
 
     def _decoded(self):

@@ -52,7 +52,9 @@ def grown(means: torch.Tensor, rows) -> torch.Tensor:
 
 
 def offsets(means: torch.Tensor) -> torch.Tensor:
-    """Each chunk's offset ``(b, rows, r)``: its row less the first's."""
+    """Each chunk's offset ``(b, rows, r)``: its row less the first's, in float32 wherever it
+    is read (so eager and compiled reads agree for a 16-bit model)."""
+    means = means.float()
     return means - means[:, :1]
 
 
