@@ -185,7 +185,7 @@ def _fused_applies(keys: "_Positions", values: "_Positions", attn_mask) -> bool:
 
 def positions(side) -> "_Positions":
     """A side as ``_Positions``: ``(codes, window, tokens[, order])``, or a vector-coded side
-    ``(VECTOR, payload, tables, window, coded, tokens, sink, sink_at)``."""
+    ``(VECTOR, payload, tables, window, coded, tokens, sink, sink_at[, means, chunk])``."""
     if side[0] == VECTOR:
         return _VectorPositions(*side[1:])
     return _Positions(*side)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+
 def least_tokens(chunk: int) -> int:
     """Tokens of a chunk (and of the first chunk) a prefill measures its mean from."""
     return max(chunk // 4, 1)

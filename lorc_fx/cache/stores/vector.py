@@ -9,19 +9,19 @@
   ``values`` hold it);
 - a **sink**: each row's first token's latent in the latents' dtype, read instead of its code
   (position 0, or where ``place_sinks`` says: ``generate`` places each row's after its left
-  padding, from the attention mask);
-- where the book says (``VectorBook.drift_chunk``), **drift offsets**: each chunk's mean
-  latent ``(b, rows, r)``, measured at the prefill; tokens are coded about their chunk's
-  drift from the first chunk (``stores.drift``).
+  padding, from the attention mask).
   The first token draws attention out of all proportion to its content (the attention sink);
   coded, its error costs more than every other token's (measured: ×2.46 perplexity on news at
   2.56 bits without it, ×1.043 with it; docs/findings.md). Its code is stored too, so blocks
-  stay aligned at position 0.
+  stay aligned at position 0;
+- where the book says (``VectorBook.drift_chunk``), **drift offsets**: each chunk's mean
+  latent ``(b, rows, r)``, measured at the prefill; tokens are coded about their chunk's
+  drift from the first chunk (``stores.drift``).
 
-What attention reads is the decoded codes, then the window, with each row's sink written over
-its position, rebuilt through the bases: one op, ``lorc::vector_latents``, which a compiled
-decode step replaces by attention that reads the codes themselves
-(``compile.quantized_attention``: scores and value sums by codebook table).
+What attention reads is the decoded codes (plus their drift offsets), then the window, with
+each row's sink written over its position, rebuilt through the bases: one op,
+``lorc::vector_latents``, which a compiled decode step replaces by attention that reads the
+codes themselves (``compile.quantized_attention``: scores and value sums by codebook table).
 
 Traced by dynamo (``lorc_backend``), ``append`` and ``read`` follow ``stores.integer``'s rules:
 no branch on how many blocks fill, and no tensor whose length could be 0 or 1 once decoding
