@@ -378,9 +378,10 @@ class _VectorPositions(_Positions):
         rotary_dim = cos.shape[-1]
         slots = lambda x: per_pair(x[:, :self.slots], style).float()  # noqa: E731  (b, slots, P)
         at = torch.tensor(pairs, dtype=torch.int32)  # each channel's pair, a graph constant
-        codes = torch.ops.lorc.vector_turned_scores(ab, slots(cos), slots(sin), at, *self.codes)
+        slot_cos, slot_sin = slots(cos), slots(sin)
+        codes = torch.ops.lorc.vector_turned_scores(ab, slot_cos, slot_sin, at, *self.codes)
         if self.offsets is not None:
-            codes = codes + self._turned_offsets(ab, slots(cos), slots(sin), pairs)
+            codes = codes + self._turned_offsets(ab, slot_cos, slot_sin, pairs)
         window = self.window[:, 0].float()  # (b, rows, r)
         rows = turned(window, cos[:, self.slots:], sin[:, self.slots:], style, pairs)
         scores = torch.cat([codes, ab @ rows.transpose(1, 2)], dim=-1)
