@@ -427,15 +427,21 @@ class _VectorPositions(_Positions):
         if vector_reductions.native_applies(p.device):
             out = torch.ops.lorc.vector_sums(p[:, 0, :, :self.slots], *self.codes)[:, None]
             if self.offsets is not None:  # each chunk's weight times its offset
-                at = drift.row_of(torch.arange(self.slots, device=p.device),
-                                  self.offsets.shape[2], self.chunk)
-                by_chunk = p.new_zeros(*p.shape[:-1], self.offsets.shape[2]).index_add(
-                    -1, at, p[..., :self.slots])
-                out = out + by_chunk @ self.offsets
+                out = out + self._offset_sums(p[..., :self.slots])
         else:  # no kernel here: the codes decoded
             out = p[..., :self.slots] @ self._decoded()
         out = out + p[..., self.slots:] @ self.window.float()
         return out if self.sink is None else out + on_sink * self.sink.float()
+
+    def _offset_sums(self, p):
+        """``Σ_slot p·offset`` for the slots' weights ``p (b, 1, m, slots)``: each chunk's
+        weights summed, a chunk at a time (``rows·chunk`` covers every slot:
+        ``stores.drift``), times its offset; a reduction and a product Inductor fuses, where a
+        scatter of the weights by row and a matmul were kernels of their own."""
+        rows = self.offsets.shape[2]
+        by_chunk = F.pad(p, (0, rows * self.chunk - self.slots)).unflatten(
+            -1, (rows, self.chunk)).sum(-1)  # (b, 1, m, rows)
+        return (by_chunk[..., None] * self.offsets[:, :, None]).sum(-2)
 
 
 def _sum(x, dim: int):

@@ -27,8 +27,8 @@ covers every code slot (a dynamic store's spare slots are fewer than a chunk of 
 ``options.MIN_DRIFT_CHUNK`` positions), which attention over the codes relies on to read the
 offsets a chunk at a time (``compile.quantized_attention``).
 
-Every function here is tensor maths with no branch on data or on lengths, so the stores'
-compiled writes trace it once.
+Every function here is tensor maths with no branch on data, and on lengths only where they are
+static (``may_measure``), so the stores' compiled writes trace it once.
 """
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def least_tokens(chunk: int) -> int:
     return max(chunk // 4, 1)
 
 
+def may_measure(n, chunk: int) -> bool:
+    """Whether a write of ``n`` tokens can measure a mean (``measured``): not one of fewer than
+    ``least_tokens`` (a decode step's: its length is static where traced, so its compiled
+    write holds none of ``measured``'s maths); a symbolic length (a traced prefill's) may."""
+    return not isinstance(n, int) or n >= least_tokens(chunk)
+
+
 def rows_for(tokens, chunk: int):
     """Rows a dynamic store's table keeps for ``tokens`` tokens: every chunk they reach and
     one more."""
@@ -49,7 +56,8 @@ def rows_for(tokens, chunk: int):
 def grown(means: torch.Tensor, rows) -> torch.Tensor:
     """``means (b, rows₀, r)`` to ``rows`` rows (at least ``rows₀``), each new row the
     last's."""
-    return torch.cat([means, means[:, -1:].expand(-1, rows, -1)], dim=1).narrow(1, 0, rows)
+    at = torch.arange(rows, device=means.device).clamp_max(means.shape[1] - 1)
+    return means.index_select(1, at)  # contiguous, as every step's table: its strides are guarded
 
 
 def offsets(means: torch.Tensor) -> torch.Tensor:

@@ -156,7 +156,7 @@ class VectorStore:
             self.means = new.new_zeros(new.shape[0], rows, new.shape[-1])
         elif traced or rows != self.means.shape[1]:  # eager: only where a chunk begins
             self.means = drift.grown(self.means, rows)
-        if traced or (start == 0 and new.shape[1] >= drift.least_tokens(chunk)):
+        if drift.may_measure(new.shape[1], chunk) and (traced or start == 0):
             self.means = drift.measured(self.means, new, start, self.sink_at, chunk)
 
     def read(self, window: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ class VectorStaticStore:
         block = rewritten_blocks(start, t)
         coding, chunk = states[:, 0], self.book.drift_chunk
         if chunk:  # each token about its chunk's drift, measured first where this is a prefill
-            if torch.compiler.is_compiling() or t >= drift.least_tokens(chunk):
+            if drift.may_measure(t, chunk):
                 self.means.copy_(drift.measured(self.means, coding, start, self.sink_at, chunk))
             coding = coding - drift.offsets_at(self.means, start, t, chunk).to(coding.dtype)
         for codes, new in zip(self.payload, vector_rewritten(
