@@ -397,14 +397,14 @@ class _VectorPositions(_Positions):
         (``cos``/``sin`` ``(b, slots, P)``, one a rotary pair): an offset is constant over its
         chunk, so each query row's ``(α, β)`` times each chunk's offset is summed per pair
         first ``(b, m, rows, 2P)``, then dotted with the angles of the chunk's slots, a chunk at
-        a time (``rows·chunk`` covers every slot: ``stores.drift``)."""
+        a time (``_by_chunk``)."""
         offsets = self.offsets[:, 0]  # (b, rows, r)
-        b, rows, r = offsets.shape
+        r = offsets.shape[-1]
         per_pair = F.one_hot(torch.tensor(pairs), cos.shape[-1]).float()  # (r, P)
         by_pair = torch.cat([(ab[:, :, None, :r] * offsets[:, None]) @ per_pair,
                              (ab[:, :, None, r:] * offsets[:, None]) @ per_pair], dim=-1)
-        angles = F.pad(torch.cat([cos, sin], dim=-1), (0, 0, 0, rows * self.chunk - self.slots))
-        scores = torch.einsum("bkjp,bmkp->bmkj", angles.view(b, rows, self.chunk, -1), by_pair)
+        angles = self._by_chunk(torch.cat([cos, sin], dim=-1), 1)  # (b, rows, chunk, 2P)
+        scores = torch.einsum("bkjp,bmkp->bmkj", angles, by_pair)
         return scores.flatten(2).narrow(2, 0, self.slots)
 
     def values(self):
@@ -435,13 +435,18 @@ class _VectorPositions(_Positions):
 
     def _offset_sums(self, p):
         """``Σ_slot p·offset`` for the slots' weights ``p (b, 1, m, slots)``: each chunk's
-        weights summed, a chunk at a time (``rows·chunk`` covers every slot:
-        ``stores.drift``), times its offset; a reduction and a product Inductor fuses, where a
-        scatter of the weights by row and a matmul were kernels of their own."""
-        rows = self.offsets.shape[2]
-        by_chunk = F.pad(p, (0, rows * self.chunk - self.slots)).unflatten(
-            -1, (rows, self.chunk)).sum(-1)  # (b, 1, m, rows)
+        weights summed, a chunk at a time (``_by_chunk``), times its offset; a reduction and a
+        product Inductor fuses, where a scatter of the weights by row and a matmul were
+        kernels of their own."""
+        by_chunk = self._by_chunk(p, -1).sum(-1)  # (b, 1, m, rows)
         return (by_chunk[..., None] * self.offsets[:, :, None]).sum(-2)
+
+    def _by_chunk(self, x, dim: int):
+        """``x``, whose axis ``dim`` is the slots, zero-padded to ``rows·chunk`` slots (which
+        cover every slot: ``stores.drift``) and split into ``(rows, chunk)``."""
+        rows, dim = self.offsets.shape[2], dim % x.dim()
+        pad = [0, 0] * (x.dim() - 1 - dim) + [0, rows * self.chunk - self.slots]
+        return F.pad(x, pad).unflatten(dim, (rows, self.chunk))
 
 
 def _sum(x, dim: int):

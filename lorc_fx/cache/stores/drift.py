@@ -56,8 +56,7 @@ def rows_for(tokens, chunk: int):
 def grown(means: torch.Tensor, rows) -> torch.Tensor:
     """``means (b, rows₀, r)`` to ``rows`` rows (at least ``rows₀``), each new row the
     last's."""
-    at = torch.arange(rows, device=means.device).clamp_max(means.shape[1] - 1)
-    return means.index_select(1, at)  # contiguous, as every step's table: its strides are guarded
+    return spread(means, rows, 1)  # a gather: contiguous as every step's table (guarded strides)
 
 
 def offsets(means: torch.Tensor) -> torch.Tensor:
