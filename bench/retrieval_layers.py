@@ -23,19 +23,16 @@ and 1): what this shows may guide a plan without tuning it on the prompts it is 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 from pathlib import Path
 
-import torch
-
 import lorc_fx
 from lorc_fx.data.models import load_tokenizer
-from lorc_fx.data.retrieval_tasks import TASKS, make_samples
+from lorc_fx.data.retrieval_tasks import make_samples
 from lorc_fx.eval.retrieval import parse_lengths
 from lorc_fx.search.one_prefill import FULL, answer_logprobs
 from lorc_fx.search.retrieval_probe import one_layer_coded
+from prompt_shards import add_prompt_args, machine, mine, save, write_table  # bench/'s own
 
 
 def variants(plan):
@@ -59,15 +56,8 @@ def table(scores: dict[str, list[float]]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="a saved plan (report.save)")
-    ap.add_argument("--task", default="multikey", choices=TASKS)
-    ap.add_argument("--length", default="1k")
-    ap.add_argument("--trials", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--shard", default="0/1", help="K/N: the prompts whose index is K modulo N")
-    ap.add_argument("--merge", default="", help="other shards' OUT.json, comma-separated")
-    ap.add_argument("--out", default="bench/results/retrieval_layers-cpu")
+    add_prompt_args(ap, "multikey", "1k", 24, 7, "bench/results/retrieval_layers-cpu")
     args = ap.parse_args()
-    k, n = map(int, args.shard.split("/"))
     (length,) = parse_lengths(args.length)
 
     model = lorc_fx.load_model("default")
@@ -75,32 +65,21 @@ def main() -> None:
     plan = lorc_fx.compress(model, plan=args.plan).plan
     blocks = lorc_fx.analyze(model)
     samples = make_samples(tok, args.task, length, args.trials, args.seed)
-    mine = [i for i in range(len(samples)) if i % n == k]
-    prompts = [(samples[i].input_ids, samples[i].answer_ids(tok)) for i in mine]
+    indices = mine(args, len(samples))
+    prompts = [(samples[i].input_ids, samples[i].answer_ids(tok)) for i in indices]
     scores = answer_logprobs(model, prompts, variants(plan), blocks)
     per_prompt = {str(i): {name: values[j] for name, values in scores.items()}
-                  for j, i in enumerate(mine)}
-    for other in filter(None, args.merge.split(",")):
-        per_prompt.update(json.loads(Path(other).read_text())["prompts"])
-    settings = {"plan": args.plan, "task": args.task, "length": length, "trials": args.trials,
-                "seed": args.seed, "bits_per_value": plan.bits_per_value}
-    machine = (f"{platform.machine()}, {torch.get_num_threads()} thread(s), "
-               f"torch {torch.__version__}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"settings": settings, "machine": machine, "prompts": per_prompt}, indent=1))
-    if len(per_prompt) < len(samples):
-        print(f"{len(per_prompt)} of {len(samples)} prompts: merge the other shards")
+                  for j, i in enumerate(indices)}
+    every = save(args, length, plan.bits_per_value, per_prompt, len(samples))
+    if every is None:
         return
-    names = next(iter(per_prompt.values())).keys()
-    merged = {name: [per_prompt[str(i)][name] for i in range(len(samples))] for name in names}
-    lines = [f"Answer log-probabilities through a plan's cache coded one layer at a time "
-             f"(`bench/retrieval_layers.py`): {args.task}, {length} tokens, {args.trials} "
-             f"prompts of seed {args.seed}, plan {Path(args.plan).name} "
-             f"({plan.bits_per_value:.3f} bits per value); {machine}.", "", *table(merged)]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    names = next(iter(every.values())).keys()
+    merged = {name: [p[name] for p in every.values()] for name in names}
+    write_table(args, [
+        f"Answer log-probabilities through a plan's cache coded one layer at a time "
+        f"(`bench/retrieval_layers.py`): {args.task}, {length} tokens, {args.trials} "
+        f"prompts of seed {args.seed}, plan {Path(args.plan).name} "
+        f"({plan.bits_per_value:.3f} bits per value); {machine()}.", "", *table(merged)])
 
 
 if __name__ == "__main__":

@@ -54,14 +54,19 @@ _NAMES = [f"{a} {n}" for a in _ADJECTIVES for n in _NOUNS]  # multikey's and rel
 
 @dataclass
 class Sample:
-    """One prompt of a task: its text and ids, the answer, and where the needle sits."""
+    """One prompt of a task: its text and ids, the answer, and where its facts sit."""
     task: str
     length: int
     depth: float
     prompt: str
     input_ids: list[int]
     answer: str
-    needle_char: int  # where the needle (the asked key, or the chain's first step) begins
+    facts: tuple[tuple[int, int], ...]  # each fact's characters [start, end), the needle first
+
+    @property
+    def needle_char(self) -> int:
+        """Where the needle (the asked key, or the chain's first step) begins."""
+        return self.facts[0][0]
 
     def answer_ids(self, tokenizer) -> list[int]:
         """The answer's token ids as its text continues the prompt (``" " + answer``)."""
@@ -139,21 +144,22 @@ def _two_hops(names: list[str], depth: float, rng: random.Random, taken: set[str
 
 
 def _assemble(filler: list[str], facts: list[tuple[float, str]], question: str
-              ) -> tuple[str, int]:
+              ) -> tuple[str, tuple[tuple[int, int], ...]]:
     """The prompt with each fact after ``round(depth * len(filler))`` filler sentences, and
-    the character where the first fact begins."""
+    each fact's characters ``[start, end)`` in the order of ``facts``."""
     slots: dict[int, list[int]] = {}
     for i, (depth, _) in enumerate(facts):
         slots.setdefault(round(depth * len(filler)), []).append(i)
-    parts, needle = [HEADER], 0
+    parts, spans, written = [HEADER], {}, len(HEADER)
     for at in range(len(filler) + 1):
         for i in slots.get(at, []):
-            if i == 0:
-                needle = sum(map(len, parts))
+            spans[i] = (written, written + len(facts[i][1]))
             parts.append(facts[i][1] + " ")
+            written += len(parts[-1])
         if at < len(filler):
             parts.append(filler[at] + " ")
-    return "".join(parts) + "\n\n" + question, needle
+            written += len(parts[-1])
+    return "".join(parts) + "\n\n" + question, tuple(spans[i] for i in range(len(facts)))
 
 
 def make_sample(tokenizer, task: str, length: int, depth: float, seed,
@@ -168,9 +174,9 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed,
     # the same in every haystack
     filler = _filler(budget, haystack, random.Random(f"{task}:{seed}:{haystack}"))
 
-    def build(count: int) -> tuple[str, int, list[int]]:
-        prompt, needle = _assemble(filler[:count], facts, question)
-        return prompt, needle, tokenizer(prompt).input_ids
+    def build(count: int) -> tuple[str, tuple[tuple[int, int], ...], list[int]]:
+        prompt, spans = _assemble(filler[:count], facts, question)
+        return prompt, spans, tokenizer(prompt).input_ids
 
     low, high = 0, budget
     if len(build(0)[2]) > budget:
@@ -179,8 +185,8 @@ def make_sample(tokenizer, task: str, length: int, depth: float, seed,
     while low < high:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if len(build(mid)[2]) <= budget else (low, mid - 1)
-    prompt, needle, ids = build(low)
-    return Sample(task, length, depth, prompt, list(ids), answer, needle)
+    prompt, spans, ids = build(low)
+    return Sample(task, length, depth, prompt, list(ids), answer, spans)
 
 
 def make_samples(tokenizer, task: str, length: int, trials: int, seed: int | str,

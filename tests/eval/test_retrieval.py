@@ -5,7 +5,8 @@ import re
 import pytest
 import torch
 
-from lorc_fx.data.retrieval_tasks import HEADER, NEW_TOKENS, NOISE, TASKS, Sample, make_samples
+from lorc_fx.data.retrieval_tasks import (DISTRACTORS, HEADER, NEW_TOKENS, NOISE, TASKS, Sample,
+                                          make_samples)
 from lorc_fx.eval.retrieval import accuracy, is_correct, same_answer, wilson_interval
 
 
@@ -66,6 +67,23 @@ def test_the_question_asks_the_needle_not_a_distractor():
                                                        f"{relay.answer}.")
     assert relay.prompt.index(f"The {source} keeps") < relay.prompt.index(f"The {asked} has")
     assert len(set(re.findall(r"\b\d{5}\b", relay.prompt))) == 2  # the distractor chain's
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_each_fact_span_holds_one_fact_sentence_and_the_question_none(task):
+    """``Sample.facts`` (what a diagnosis reads exact) are whole fact sentences, the needle
+    first, as many as the task hides, none overlapping another or the question."""
+    hidden = {"passkey": 1, "multikey": 1 + DISTRACTORS, "relay": 4, "vartrack": 4}[task]
+    for s in make_samples(WordTokenizer(), task, 300, 5, seed=2):
+        texts = [s.prompt[a:b] for a, b in s.facts]
+        assert len(texts) == hidden
+        assert all(t.startswith(("The ", "VAR ")) and t.endswith(".") for t in texts)
+        assert s.answer in texts[0]
+        body = s.prompt[:s.prompt.rindex("\n\n")]
+        assert sorted(re.findall(r"\b\d{5}\b", " ".join(texts))) == sorted(
+            re.findall(r"\b\d{5}\b", body))  # every key sits in a fact
+        assert all(b <= c for (_, b), (c, _) in zip(sorted(s.facts), sorted(s.facts)[1:]))
+        assert max(b for _, b in s.facts) < s.prompt.rindex("\n\n")
 
 
 @pytest.mark.parametrize("task", TASKS)
