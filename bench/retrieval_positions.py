@@ -13,7 +13,8 @@ answers and the plan, read as coded, loses, the plan's cache is read again in ea
 ``MODES``: the latents of some positions read as the store was given them (exact: the plan's
 latents before their codes), the rest as coded: the facts' sentences (``Sample.facts``: the
 needle and the distractors), the question (the tokens after the haystack), the filler
-(neither), the last 32 positions (a recent full-precision window's), or all; the answer's
+(neither), the last 1/256 of the prompt's positions (a recent full-precision window
+proportional to the context: 16 at 4k tokens, 32 at 8k) or the last 32, or all; the answer's
 tokens, written after the prompt, are read exact in every mode but "coded". The table counts
 the losses each mode gives back, and lists each loss's first failing token's margins.
 
@@ -42,7 +43,8 @@ from lorc_fx.plan.plan_file import load_plan
 from prompt_shards import add_prompt_args, machine, mine, save, write_table  # bench/'s own
 
 RECENT = 32  # the "last 32" mode's positions
-MODES = ("coded", "facts", "question", "filler", f"last {RECENT}", "all")
+SHARE = 256  # the "recent 1/256" mode's: that share of the prompt's last positions
+MODES = ("coded", "facts", "question", "filler", f"recent 1/{SHARE}", f"last {RECENT}", "all")
 
 
 class _ExactReads(VectorStore):
@@ -96,9 +98,10 @@ def _positions(sample: Sample, tok, spare: int) -> dict[str, torch.Tensor]:
     for a, b in sample.facts:
         fact[:n] |= (starts >= a) & (starts < b)
     later = torch.arange(n + spare) >= n
+    recent = lambda count: torch.arange(n + spare) >= n - count  # noqa: E731
     return {"coded": None, "facts": fact | later, "question": question,
-            "filler": ~fact & ~question | later, f"last {RECENT}": torch.arange(n + spare) >= n - RECENT,
-            "all": torch.ones(n + spare, dtype=torch.bool)}
+            "filler": ~fact & ~question | later, f"recent 1/{SHARE}": recent(-(-n // SHARE)),
+            f"last {RECENT}": recent(RECENT), "all": torch.ones(n + spare, dtype=torch.bool)}
 
 
 def measure(model, tok, plan, sample: Sample) -> dict[str, list[float]]:
