@@ -87,7 +87,7 @@ def _margins(model, first: torch.Tensor, answer: list[int], cache) -> list[float
 
 
 def _positions(sample: Sample, tok, spare: int) -> dict[str, torch.Tensor]:
-    """Each mode's positions read exact (None: none), over the prompt's tokens and ``spare``
+    """Each mode's positions read exact but "coded"'s, over the prompt's tokens and ``spare``
     positions after them (the answer's)."""
     enc = tok(sample.prompt, return_offsets_mapping=True)
     starts = torch.tensor([a for a, _ in enc.offset_mapping])
@@ -99,7 +99,7 @@ def _positions(sample: Sample, tok, spare: int) -> dict[str, torch.Tensor]:
         fact[:n] |= (starts >= a) & (starts < b)
     later = torch.arange(n + spare) >= n
     recent = lambda count: torch.arange(n + spare) >= n - count  # noqa: E731
-    return {"coded": None, "facts": fact | later, "question": question,
+    return {"facts": fact | later, "question": question,
             "filler": ~fact & ~question | later, f"recent 1/{SHARE}": recent(-(-n // SHARE)),
             f"last {RECENT}": recent(RECENT), "all": torch.ones(n + spare, dtype=torch.bool)}
 
@@ -117,13 +117,18 @@ def measure(model, tok, plan, sample: Sample) -> dict[str, list[float]]:
         store.__class__ = _ExactReads
     with torch.no_grad():
         model(ids[:, :-1], use_cache=True, past_key_values=cache)
-    for mode, at in _positions(sample, tok, len(answer) + 1).items():
-        if mode != "coded" and not (_answers(out["full cache"]) and not _answers(out["coded"])):
-            break
-        read = copy.deepcopy(cache)
-        for store in _stores(read):
-            store.exact_at = at
-        out[mode] = _margins(model, ids[:, -1:], answer, read)
+
+    def read(exact_at: torch.Tensor | None) -> list[float]:
+        """The margins through a copy of the prefilled cache, ``exact_at`` read exact."""
+        copied = copy.deepcopy(cache)
+        for store in _stores(copied):
+            store.exact_at = exact_at
+        return _margins(model, ids[:, -1:], answer, copied)
+
+    out["coded"] = read(None)
+    if _answers(out["full cache"]) and not _answers(out["coded"]):
+        out.update((mode, read(at)) for mode, at in
+                   _positions(sample, tok, len(answer) + 1).items())
     return out
 
 
@@ -133,16 +138,15 @@ def _answers(margins: list[float]) -> bool:
 
 
 def table(prompts: dict[str, dict[str, list[float]]]) -> list[str]:
-    answers = _answers
-    full = [i for i, p in prompts.items() if answers(p["full cache"])]
-    lost = [i for i in full if not answers(prompts[i]["coded"])]
-    found = [i for i, p in prompts.items() if answers(p["coded"]) and i not in full]
+    full = [i for i, p in prompts.items() if _answers(p["full cache"])]
+    lost = [i for i in full if not _answers(prompts[i]["coded"])]
+    found = [i for i, p in prompts.items() if _answers(p["coded"]) and i not in full]
     lines = [f"The full cache answers {len(full)} of {len(prompts)} prompts, the plan "
-             f"(coded) {sum(answers(p['coded']) for p in prompts.values())}: {len(lost)} of the "
+             f"(coded) {sum(_answers(p['coded']) for p in prompts.values())}: {len(lost)} of the "
              f"full cache's lost, {len(found)} others found.", "",
              "| read exact | " + " | ".join(MODES[1:]) + " |", "|---" * len(MODES) + "|",
              "| losses given back | " + " | ".join(
-                 f"{sum(answers(prompts[i][m]) for i in lost)} of {len(lost)}" for m in MODES[1:])
+                 f"{sum(_answers(prompts[i][m]) for i in lost)} of {len(lost)}" for m in MODES[1:])
              + " |", "", "Each loss's first failing answer token, its margin (nats) in each mode:",
              "", "| prompt | token | full cache | " + " | ".join(MODES) + " |",
              "|---|---|---" + "|---" * len(MODES) + "|"]

@@ -115,7 +115,7 @@ def test_a_length_too_short_for_the_task_is_refused():
 
 
 def test_the_scorer_counts_the_first_number_written():
-    samples = [Sample("passkey", 100, 0.5, "", [], answer, 0) for answer in ("12345", "67890")]
+    samples = [Sample("passkey", 100, 0.5, "", [], answer, ()) for answer in ("12345", "67890")]
     assert accuracy(samples, [" 12345.", " 67890 is"]).correct == 2  # a perfect model
     assert accuracy(samples, [" 12345", " 12345"]).correct == 1  # a distractor's key
     assert accuracy(samples, [" none", "678901"]).correct == 0
@@ -246,6 +246,6 @@ def test_one_prefill_refuses_a_prompt_a_latent_cache_reads_back_as_stored(loaded
     from lorc_fx.eval.retrieval import answers_sharing_prefill
 
     model, tok, blocks, _ = loaded
-    short = Sample("passkey", 64, 0.5, "", list(range(3, 3 + PREFILL_TOKENS)), "1", 0)
+    short = Sample("passkey", 64, 0.5, "", list(range(3, 3 + PREFILL_TOKENS)), "1", ())
     with pytest.raises(ValueError, match=f"prompts of more than {PREFILL_TOKENS} tokens"):
         answers_sharing_prefill(model, tok, [short], {}, blocks)
