@@ -99,10 +99,13 @@ class VectorSpec:
 class VectorBook:
     """Per run of a :class:`VectorSpec`: ``(codewords, reconstructions)``, each ``(S, K, d)``;
     ``drift_chunk``: the cache positions a drift offset covers where a cache codes each chunk
-    about its drift from the first (``cache.stores.drift``), 0 where it does not."""
+    about its drift from the first (``cache.stores.drift``), 0 where it does not;
+    ``recent_divisor``: a cache keeps the most recent ``ceil(n / recent_divisor)`` of its
+    ``n`` tokens in full precision (0: none), and the partial block (:meth:`coded`)."""
     spec: VectorSpec
     tables: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     drift_chunk: int = 0
+    recent_divisor: int = 0
 
     def __post_init__(self):
         for (_, subs, d, ib), (codewords, values) in zip(self.spec.layout(), self.tables, strict=True):
@@ -128,7 +131,20 @@ class VectorBook:
 
     def to(self, device: torch.device | str) -> "VectorBook":
         return VectorBook(self.spec, tuple((c.to(device), v.to(device)) for c, v in self.tables),
-                          self.drift_chunk)
+                          self.drift_chunk, self.recent_divisor)
+
+    def coded(self, tokens):
+        """How many of a cache's first ``tokens`` tokens it holds as codes (an int, a
+        symbolic int or a tensor): whole blocks, the recent window and the partial block after
+        them kept in full precision. Never decreases as ``tokens`` grows, by one block at
+        most a token."""
+        recent = -(-tokens // self.recent_divisor) if self.recent_divisor else 0
+        return (tokens - recent) // BLOCK * BLOCK
+
+    def exact_rows(self, tokens: int) -> int:
+        """The most tokens a cache of up to ``tokens`` tokens keeps in full precision: the
+        recent window's and a partial block's."""
+        return (-(-tokens // self.recent_divisor) if self.recent_divisor else 0) + BLOCK - 1
 
 
 @dataclass(frozen=True)

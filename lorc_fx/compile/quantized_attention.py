@@ -185,7 +185,8 @@ def _fused_applies(keys: "_Positions", values: "_Positions", attn_mask) -> bool:
 
 def positions(side) -> "_Positions":
     """A side as ``_Positions``: ``(codes, window, tokens[, order])``, or a vector-coded side
-    ``(VECTOR, payload, tables, window, coded, tokens, sink, sink_at[, means, chunk])``."""
+    ``(VECTOR, payload, tables, window, coded, tokens, sink, sink_at[, means, chunk, ring_from,
+    ring_to])``."""
     if side[0] == VECTOR:
         return _VectorPositions(*side[1:])
     return _Positions(*side)
@@ -319,10 +320,15 @@ class _VectorPositions(_Positions):
     then the window's rows, each row's sink read in place of its position's code, each slot's
     code plus its chunk's drift offset where there is a drift table ``means``. Scores and
     sums read the codes (``lorc::vector_scores`` / ``vector_sums``), never the latent rebuilt,
-    where their kernel serves; elsewhere they multiply the codes decoded."""
+    where their kernel serves; elsewhere they multiply the codes decoded.
+
+    A static store's window is a ring (``ring_to`` given): every token has a slot, and the
+    tokens from ``ring_from`` to ``ring_to`` are read from the ring's rows instead (token ``p``
+    at row ``p % rows``): their slots hold no token, and a row holds one where its latest
+    token is among them."""
 
     def __init__(self, payload, tables, window, coded, tokens, sink, sink_at, means=None,
-                 chunk=0):
+                 chunk=0, ring_from=None, ring_to=None):
         self.codes, self.window, self.order = (list(payload), list(tables)), window, None
         self.length, self.rows, self.tokens = coded, window.shape[-2], tokens
         self.heads, self.device = 1, window.device
@@ -331,6 +337,45 @@ class _VectorPositions(_Positions):
         # each chunk's drift offset (b, 1, rows, r), or None
         self.offsets = None if means is None else drift.offsets(means)[:, None]
         self.chunk = chunk
+        self.ring_from, self.ring_to = ring_from, ring_to
+
+    def _in_ring(self, tokens):
+        """Whether each of ``tokens`` (positions along the codes) is read from the ring."""
+        return (tokens >= self.ring_from) & (tokens < self.ring_to)
+
+    def _ring_tokens(self):
+        """The latest token each ring row holds ``(rows,)`` (negative: none yet), and whether
+        it is read from there."""
+        last = self.ring_to - 1
+        tokens = last - (last - torch.arange(self.rows, device=self.device)) % self.rows
+        return tokens, tokens >= self.ring_from
+
+    def held(self):
+        if self.ring_to is None:
+            return super().held()
+        slots = torch.arange(self.slots, device=self.device)
+        rows = self._ring_tokens()[1]
+        return torch.cat([(slots < self.length) & ~self._in_ring(slots), rows])
+
+    def spread(self, x, dim: int):
+        if self.ring_to is None:
+            return super().spread(x, dim)
+        dim %= x.dim()
+        shape = [-1 if d == dim else 1 for d in range(x.dim())]  # a mask along ``dim``
+        spare = list(x.shape)
+        spare[dim] = self.slots - self.length
+        slots = torch.cat([x.narrow(dim, 0, self.length), x.new_zeros(spare)], dim=dim)
+        in_ring = self._in_ring(torch.arange(self.slots, device=self.device))
+        tokens, held = self._ring_tokens()
+        rows = x.index_select(dim, tokens.clamp(0, self.tokens - 1))
+        return torch.cat([torch.where(in_ring.view(shape), torch.zeros_like(slots), slots),
+                          torch.where(held.view(shape), rows, torch.zeros_like(rows))], dim=dim)
+
+    def position_of_token(self):
+        if self.ring_to is None:
+            return super().position_of_token()
+        tokens = torch.arange(self.tokens, device=self.device)
+        return torch.where(self._in_ring(tokens), tokens % self.rows + self.slots, tokens)
 
     def _decoded(self):
         """Every slot's latent ``(b, 1, slots, r)`` in float32, its drift offset added."""

@@ -51,6 +51,11 @@ DRIFT_CHUNK = 1024
 # the fewest: a dynamic store's spare code slots (two blocks of 8) fit in the chunk past its
 # tokens, which attention over the codes relies on (``cache.stores.drift``)
 MIN_DRIFT_CHUNK = 16
+# a vector plan's cache keeps the most recent 1/256 of its tokens in full precision: on
+# multikey prompts of a seed no evaluation uses, the last 1/256 read exact gave back 3 of the
+# 1.92-bit plan's 8 lost answers at 4k and lost none, at about 0.05 bits per value
+# (docs/results.md, bench/retrieval_positions.py)
+RECENT_DIVISOR = 256
 
 
 def option(default, help: str, check: Callable | None = None, parse: Callable | None = None,
@@ -248,6 +253,12 @@ class PlanOptions:
         lambda x: None if isinstance(x, int) and not isinstance(x, bool)
         and (x == 0 or x >= MIN_DRIFT_CHUNK)
         else f"drift_chunk must be 0 or a whole number >= {MIN_DRIFT_CHUNK}, got {x!r}", int)
+    recent_divisor: int = option(
+        RECENT_DIVISOR, "vector codes: a cache of n tokens keeps its most recent ceil(n / this) "
+        "in full precision (counted in the budget), the tokens a decode step's question and "
+        "answer lean on; 0: only the partial block of 8",
+        lambda x: None if isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        else f"recent_divisor must be a whole number >= 0, got {x!r}", int)
     # latents stored as latent_bits-bit codes, per channel over groups of latent_group tokens;
     # 16: not quantized; auto: the storage scheme and its width measured (``lorc_fx.search``)
     latent_bits: int | str = option(

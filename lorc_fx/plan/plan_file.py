@@ -203,6 +203,7 @@ def _options(data: dict) -> PlanOptions:
         data["cache_fraction"] = None
     data.setdefault("retrieval_weight", 1.0)  # plans before it weighed no layer up
     data.setdefault("drift_chunk", 0)  # plans before it coded no drift
+    data.setdefault("recent_divisor", 0)  # plans before it kept no recent window
     return PlanOptions(**data, calibration=CalibrationOptions(**calibration))
 
 
@@ -227,7 +228,8 @@ def _code(f, name: str, data: dict | None, dtype_bits: int, source: Path) -> Cod
         tables = tuple((_tensor(f, f"{name}.{i}.codewords", None, source),
                         _tensor(f, f"{name}.{i}.values", None, source))
                        for i in range(len(spec.runs)))
-        return VectorBook(spec, tables, data.get("drift_chunk", 0))  # none before it
+        return VectorBook(spec, tables, data.get("drift_chunk", 0),  # none before them
+                          data.get("recent_divisor", 0))
     if "bit_runs" in data:
         return ChannelSplit(tuple((c, b) for c, b in data["bit_runs"]), data["group"], scales)
     return QuantSpec(data["bits"], data["group"], data["axis"], scales)

@@ -41,18 +41,27 @@ def code_bits(code: Code, rows: int, float_bits: int) -> float:
     """Bits a token of a side of ``rows`` values takes stored as ``code``, everything
     counted: integer codes with a 16-bit scale and zero point (``SCALE_BITS``) per group of
     ``group`` (exact for whole groups: the last, partial group sits in the full-precision
-    window), vector codes (no scales) with the sink at ``SINK_SEQUENCE`` tokens a sequence
-    (exact for whole blocks of 8 tokens), row codes with an 8-bit exponent per group (a
+    window), vector codes (no scales) with their rows of floats
+    (:func:`vector_exact_share`), row codes with an 8-bit exponent per group (a
     model's own cache layer: ``cache.own_layers``), floats at ``float_bits``."""
     if code is None:
         return rows * float_bits
     if isinstance(code, VectorBook):
-        drift = rows * float_bits / code.drift_chunk if code.drift_chunk else 0
-        return sum(c * b for c, b in code.spec.runs) + rows * float_bits / SINK_SEQUENCE + drift
+        return sum(c * b for c, b in code.spec.runs) + rows * float_bits * vector_exact_share(
+            code.drift_chunk, code.recent_divisor)
     if isinstance(code, RowSpec):
         return rows * code.bits_per_value()
     runs = code.parts if isinstance(code, ChannelSplit) else ((rows, code.bits),)
     return sum(c * (b + 2 * SCALE_BITS / code.group) for c, b in runs)
+
+
+def vector_exact_share(drift_chunk: int, recent_divisor: int) -> float:
+    """Rows of floats a vector-coded side holds per token besides its codes: the sink at
+    ``SINK_SEQUENCE`` tokens a sequence, a drift offset each ``drift_chunk`` tokens and the
+    recent window's ``1 / recent_divisor`` (0: none; exact for whole blocks of 8 tokens: the
+    partial block is not counted)."""
+    return (1 / SINK_SEQUENCE + (1 / drift_chunk if drift_chunk else 0)
+            + (1 / recent_divisor if recent_divisor else 0))
 
 
 def code_json(code: Code) -> dict | None:
@@ -61,7 +70,8 @@ def code_json(code: Code) -> dict | None:
         return None
     if isinstance(code, VectorBook):
         return {"vector_runs": [list(r) for r in code.spec.runs],
-                "tuple_dims": code.spec.tuple_dims, "drift_chunk": code.drift_chunk}
+                "tuple_dims": code.spec.tuple_dims, "drift_chunk": code.drift_chunk,
+                "recent_divisor": code.recent_divisor}
     if isinstance(code, ChannelSplit):
         return {"bit_runs": [list(r) for r in code.parts], "group": code.group}
     if isinstance(code, RowSpec):

@@ -28,7 +28,7 @@ import torch
 
 from .bit_allocation import allocate
 from .options import PlanOptions
-from .planner import SINK_SEQUENCE, Plan, code_bits
+from .planner import Plan, code_bits, vector_exact_share
 from .schedules import UnreachableFraction
 
 Errors = dict[float, torch.Tensor]  # width -> (r,) relative squared coding error per channel
@@ -50,8 +50,8 @@ def allocate_tuples(energies: list[torch.Tensor], rho: list[Errors], budget: flo
 def code_budget(full: Plan, options: PlanOptions) -> float:
     """Bits a token the codes may spend at ``options``' budget: the budget less the RoPE
     angle log, the sides not coded (as their plan stores them: a stored float's bits, or a
-    sliding layer's plain codes), every coded channel's sink at ``SINK_SEQUENCE`` tokens a
-    sequence and its drift offset each ``options.drift_chunk`` tokens."""
+    sliding layer's plain codes) and every coded channel's floats (``vector_exact_share``:
+    the sink, drift offsets, the recent window)."""
     budget, float_bits = options.budget.bits(full.dtype_bits)
     values, _ = full.cache_elements_per_token()
     fixed = full.rotary_log * float_bits
@@ -62,14 +62,15 @@ def code_budget(full: Plan, options: PlanOptions) -> float:
         fixed += (0 if k_coded else code_bits(l.k_code, l.k_full, float_bits)) \
             + (0 if v_coded else code_bits(l.v_code, l.v_full, float_bits))
         coded += (l.k_full if k_coded else 0) + (l.v_full if v_coded else 0)
-    drift = coded * float_bits / options.drift_chunk if options.drift_chunk else 0
-    held = fixed + coded * float_bits / SINK_SEQUENCE + drift  # whatever the codes spend
-    left = budget * values - held
+    held = fixed + coded * float_bits * vector_exact_share(options.drift_chunk,
+                                                          options.recent_divisor)
+    left = budget * values - held  # whatever the codes spend
     if left <= 0:
         lowest = options.budget.of_bits(held / values, full.dtype_bits)
         raise UnreachableFraction(
-            f"vector codes: the sides they do not code, the RoPE angle log, the sinks and the "
-            f"drift offsets alone hold {lowest:.3f} ({options.budget.unit})", lowest)
+            f"vector codes: the sides they do not code, the RoPE angle log, the sinks, the "
+            f"drift offsets and the recent window alone hold {lowest:.3f} "
+            f"({options.budget.unit})", lowest)
     return left
 
 

@@ -135,7 +135,10 @@ class Vector(Scheme):
             + f"); the codebooks take {table_bytes / 2**20:.1f} MiB, "
             "the model's like its weights, not counted in bits per value; each sequence's first "
             "token is kept in full precision (the attention sink), counted as if sequences "
-            "were 512 tokens; the last partial block of 8 tokens is kept in full precision"
+            "were 512 tokens; "
+            + (f"the most recent 1/{plan.options.recent_divisor} of the tokens and "
+               if plan.options.recent_divisor else "")
+            + "the last partial block of 8 tokens are kept in full precision"
             + (f"; each {plan.options.drift_chunk}-token chunk of the context is coded about "
                "its mean latent's drift from the first chunk's (one row of offsets a chunk, "
                "measured at the prefill)" if plan.options.drift_chunk else "")]
@@ -155,14 +158,15 @@ def _channels_per_width(plan: Plan) -> tuple[dict[float, int], int]:
 
 
 def _coded(layer: LayerPlan, side: str, bits: list[float], books: dict[float, VectorBook],
-           energy: torch.Tensor, tuple_dims: int, drift_chunk: int) -> LayerPlan:
+           energy: torch.Tensor, tuple_dims: int, options: PlanOptions) -> LayerPlan:
     """``layer`` keeping the channels of ``side`` with nonzero ``bits``, coded by the book cut
-    from ``books`` (``energy``: the channels' spectrum energies) with drift offsets each
-    ``drift_chunk`` positions (0: none)."""
+    from ``books`` (``energy``: the channels' spectrum energies) with ``options``' drift
+    offsets and recent window."""
     basis, rebuild = getattr(layer, f"{side}_basis"), getattr(layer, f"{side}_rebuild")
     if any(bits):
         book, kept = select(books, bits, tuple_dims)
-        book = replace(book, drift_chunk=drift_chunk)
+        book = replace(book, drift_chunk=options.drift_chunk,
+                       recent_divisor=options.recent_divisor)
     else:
         book, kept = None, torch.zeros(0, dtype=torch.long)
     total = float(energy.sum())
@@ -205,7 +209,7 @@ def vector_plan(full: Plan, inputs: list[LayerInput], options: PlanOptions,
         i = index[layer]
         energy = (k_energy if side == "k" else v_energy)[i]
         layers[i] = _coded(layers[i], side, bits, books[layer, side], energy, tuple_dims,
-                           options.drift_chunk)
+                           options)
     for layer, why in favoured.items():
         if (layer, "k") not in sides and (layer, "v") not in sides:
             continue

@@ -17,7 +17,7 @@ from lorc_fx.cache.stores.vector_static import VectorStaticStore
 from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.codes.vector import BLOCK, VectorBook, VectorSpec, decode, encode
 from lorc_fx.compile.backend import lorc_backend
-from lorc_fx.plan.options import PlanOptions
+from lorc_fx.plan.options import RECENT_DIVISOR, PlanOptions
 from lorc_fx.plan.planner import plan_layers, without_sliding_latents
 from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.schemes.vector import vector_plan
@@ -89,8 +89,9 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
         for x, y in zip(a.latents(), b.latents()):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
         side = a.k_store
-        assert side.coded == 29 // BLOCK * BLOCK
-        assert side.window_tokens(a.keys).shape[-2] == 29 % BLOCK
+        # 1 recent token (1/256), then the partial block
+        assert side.coded == side.book.coded(29) == 24 and side.book.recent_divisor == 256
+        assert side.window_tokens(a.keys).shape[-2] == 29 - 24
         read = a.latents()[0]
         torch.testing.assert_close(read[:, :, 0], side.sink[:, :, 0])
         coded = decode(side.codes, side.book)[:, None]
@@ -100,47 +101,88 @@ def test_chunked_updates_hold_what_one_update_holds_and_their_bytes(model, plan)
     r = sum(l.k_rank + l.v_rank for l in plan.layers)
     codes = sum(side.codes.nbytes for l in whole.layers for side in (l.k_store, l.v_store))
     drift_rows = -(-29 // plan.options.drift_chunk)  # a row of drift offsets a chunk reached
-    assert whole.cache_bytes() == (codes + 2 * r * itemsize * (1 + 29 % BLOCK)
+    assert whole.cache_bytes() == (codes + 2 * r * itemsize * (1 + 29 - 24)
                                    + 2 * r * itemsize * drift_rows
                                    + sum(t.nbytes for t in whole.rotary.tensors()))
 
 
-def test_a_store_fed_block_by_block_reads_what_one_append_reads():
+def test_a_long_cache_holds_at_most_the_bits_its_plan_counts_the_recent_window_among_them(
+        model, plan):
+    """At 2048 tokens (the plan counts the sink as if sequences were 512 long) the cache holds
+    at most the plan's bits a token, and more than the plan's bits without the recent
+    window's 1/256 of the tokens in floats: the planner pays for the window it keeps."""
+    compress(model, plan=plan)
+    n, float_bits = 2048, 32  # a float32 model
+    cache = latent_cache(model)
+    forward(model, torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(4)),
+            cache)
+    held = 8 * cache.cache_bytes()
+    counted = n * plan.bits_per_token(float_bits)
+    window = n * sum(l.k_rank + l.v_rank for l in plan.layers) * float_bits / RECENT_DIVISOR
+    assert plan.options.recent_divisor == RECENT_DIVISOR
+    assert counted - window < held <= counted
+
+
+@pytest.mark.parametrize("recent_divisor", [0, 4])
+def test_a_store_fed_block_by_block_reads_what_one_append_reads(recent_divisor):
     """Decoding appends a block of codes at a time: every index width (4 bits a channel packs
     two indices a byte, 2.5 bits five-bit indices, 1.5 six-bit ones) reads back as the codes
-    of one append of all the tokens, and cuts to the same prefix."""
+    of one append of all the tokens, and cuts to the same prefix. With a recent window (a
+    quarter of the tokens) a cut keeps its whole blocks coded, fewer tokens than the window
+    would hold, and tokens appended after it are coded only once the window passes them."""
     spec = VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8)
-    book = _book(spec)
+    book = replace(_book(spec), recent_divisor=recent_divisor)
     latents = torch.randn(2, 1, 37, spec.width, generator=torch.Generator().manual_seed(1))
     whole, steps = VectorStore(book), VectorStore(book)
     whole_window = whole.append(torch.tensor([]), latents)
     window = steps.append(torch.tensor([]), latents[:, :, :5])
     for t in range(5, 37):
         window = steps.append(window, latents[:, :, t:t + 1])
+        assert steps.coded == book.coded(t + 1)
     assert torch.equal(steps.read(window), whole.read(whole_window))
-    assert torch.equal(steps.read(steps.cut(window, 19)), whole.read(whole.cut(whole_window, 19)))
+    read = steps.read(window)
+    window = steps.cut(window, 19)
+    assert torch.equal(steps.read(window), whole.read(whole.cut(whole_window, 19)))
+    assert steps.coded == 16 >= book.coded(19)
+    for t in range(19, 37):
+        window = steps.append(window, latents[:, :, t:t + 1])
+        assert steps.coded == max(16, book.coded(t + 1))
+    assert torch.equal(steps.read(window)[:, :, :16], read[:, :, :16])
 
 
-def test_a_static_store_holds_the_codes_of_one_encode_and_the_sink_as_it_came():
+@pytest.mark.parametrize("recent_divisor", [0, 4])
+def test_a_static_store_holds_the_codes_of_one_encode_and_reads_as_the_dynamic_one(
+        recent_divisor):
     """Written in place from any offset (a prefill of 13, then one token a step, then 5),
     the static store's blocks hold, byte for byte, the codes one ``encode`` of every token
-    stores; it reads every written token decoded but each row's sink, which it reads as it
-    came (row 1's at position 2, placed before the first write)."""
-    book = _book(VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8))
+    stores; it reads every written token decoded but the recent ones the dynamic store keeps
+    in its window (the partial block; with a recent window, the last quarter of the tokens
+    too) and each row's sink, which it reads as it came (row 1's at position 2, placed before
+    the first write): after every write, what a dynamic store fed alike reads."""
+    book = replace(_book(VectorSpec(((4, 4), (4, 2.5), (8, 1.5)), tuple_dims=8)),
+                   recent_divisor=recent_divisor)
     latents = torch.randn(2, 1, 37, book.spec.width, generator=torch.Generator().manual_seed(1))
-    store = VectorStaticStore(book)
+    store, dynamic = VectorStaticStore(book), VectorStore(book)
     store.place_sinks(torch.tensor([0, 2]))
+    dynamic.place_sinks(torch.tensor([0, 2]))
     window = store.allocate(latents, torch.eye(book.spec.width), 40)
-    start = 0
+    assert window.shape[2] == book.exact_rows(40) == (-(-40 // recent_divisor) if recent_divisor
+                                                      else 0) + BLOCK - 1
+    held, start = torch.tensor([]), 0
     for t in [13] + [1] * 19 + [5]:
         store.write(window, latents[:, :, start:start + t],
                     torch.arange(start, start + t), torch.tensor(start))
+        held = dynamic.append(held, latents[:, :, start:start + t])
         start += t
+        assert torch.equal(store.read(window)[:, :, :start], dynamic.read(held))
     whole = encode(latents[:, 0, :32], book)
     for packed, once, (*_, ib) in zip(store.payload, whole.payload, book.spec.layout()):
         assert torch.equal(packed.flatten(-2)[..., :32 // BLOCK * ib], once)
+    coded = book.coded(37)
+    assert coded == (24 if recent_divisor else 32) == dynamic.coded
     read = store.read(window)[:, :, :37]
     expected = decode(encode(latents[:, 0], book), book)[:, None]
+    expected[:, :, coded:] = latents[:, :, coded:]
     expected[0, :, 0], expected[1, :, 2] = latents[0, :, 0], latents[1, :, 2]
     torch.testing.assert_close(read, expected)
 
@@ -275,6 +317,8 @@ def test_generate_continues_a_returned_cache_and_runs_beams(model, plan, tmp_pat
     assert beams.sequences.shape == (4, 16)
     loaded = load_plan(save_plan(plan, tmp_path / "vector.safetensors"), model)
     assert [l.k_code.spec for l in loaded.layers] == [l.k_code.spec for l in plan.layers]
+    assert {(l.k_code.recent_divisor, l.v_code.drift_chunk) for l in loaded.layers} == {
+        (plan.options.recent_divisor, plan.options.drift_chunk)}
     compress(model, plan=loaded)
     assert torch.equal(generate(model, ids, mask, new_tokens=20).sequences, once.sequences)
 
@@ -375,22 +419,26 @@ def _with_drift(plan, chunk: int):
                 v_code=replace(l.v_code, drift_chunk=chunk)) for l in plan.layers])
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("family", ["gpt_oss", "bloom"])
-def test_manual_attention_reads_the_codes_in_compiled_decode(family):
+def test_manual_attention_reads_the_codes_in_compiled_decode(family, cache):
     """Manual attention over vector codes (gpt-oss: ``matmul`` products with a sink logit
     between; BLOOM: heads merged into the batch, ``baddbmm`` with ALiBi): compiled (the
     passes, without Inductor) its decode graph scores and sums every layer from the codes,
-    no latent decoded, and generates the eager tokens."""
+    no latent decoded, and generates the eager tokens and logits; a static cache's recent
+    tokens are read from its ring, wrapped around within the 12 steps."""
     model = build(config_for(family, heads=4, kv_heads=2, layers=2))
     compress(model, plan=_vector_plan(model, BUDGET))
     ids, mask = prompt(length=6)
-    eager = generate(model, ids, mask, new_tokens=12)
+    eager = generate(model, ids, mask, cache, new_tokens=12)
     backend = lorc_backend.with_options(inductor=False)
     with compiled(model, backend):
-        got = generate(model, ids, mask, new_tokens=12)
+        got = generate(model, ids, mask, cache, new_tokens=12)
         with torch.profiler.profile() as profile:
-            generate(model, ids, mask, new_tokens=12)
+            generate(model, ids, mask, cache, new_tokens=12)
     assert torch.equal(got.sequences, eager.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(eager.logits),
+                               atol=1e-4, rtol=1e-4)
     attentions = 12 * model.config.num_hidden_layers  # the prompt (read as stored) and 11 steps
     calls = Counter(e.name for e in profile.events())
     assert calls["lorc::vector_scores"] == calls["lorc::vector_sums"] == attentions

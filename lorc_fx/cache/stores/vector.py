@@ -4,9 +4,10 @@
 - **codes**: the indices of whole blocks of ``BLOCK`` (8) tokens, packed per run (``(b, S,
   blocks·index bits)`` uint8 each), the blocks aligned at cache position 0, followed by
   ``SPARE_BLOCKS`` spare blocks of slots;
-- a **window**: the tokens after the last whole block (fewer than ``BLOCK``), in the
-  latents' dtype, then ``SPARE_ROWS`` spare rows, coded once their block fills (``keys`` /
-  ``values`` hold it);
+- a **window**: the tokens after the coded blocks, in the latents' dtype, then
+  ``SPARE_ROWS`` spare rows (``keys`` / ``values`` hold it): the most recent
+  ``ceil(n / recent_divisor)`` of the ``n`` tokens and the partial block after the whole
+  blocks before them (``VectorBook.coded``); a block is coded once it leaves them;
 - a **sink**: each row's first token's latent in the latents' dtype, read instead of its code
   (position 0, or where ``place_sinks`` says: ``generate`` places each row's after its left
   padding, from the attention mask).
@@ -28,16 +29,18 @@ no branch on how many blocks fill, and no tensor whose length could be 0 or 1 on
 runs (hence the spare blocks and rows). A step writes the incoming tokens over the window's
 spare rows, codes the window's first block(s) (padded to whole blocks; each token's index
 depends on that token alone) and splices them over the spare block slots, keeping them, and
-dropping them from the window, only when a block filled. The coded token count is read off
-the codes' shape, never kept as a number (dynamo would guard on it).
+dropping them from the window, only when a block left the recent tokens. The coded token
+count is read off the codes' shape, never kept as a number (dynamo would guard on it).
 
 A forward outside ``generate`` over a left-padded batch keeps position 0 of every row (a pad
 token in a padded row): the store never reads the attention mask itself.
 
 ``cut`` keeps the whole blocks before the cut as they are and moves the kept tokens of the
 cut block back into the window, decoded (they are coded again, from their reconstructions,
-when the block fills). Beam reordering and batch repeat/select index codes, sinks and windows
-along batch. A ``StaticCache`` of a vector plan holds
+when the block leaves the recent tokens); the blocks kept stay coded though the recent window
+of fewer tokens would hold some, until the window grows past them. Beam reordering and batch
+repeat/select index codes, sinks and windows along batch. A ``StaticCache`` of a vector plan
+holds
 :class:`~lorc_fx.cache.stores.vector_static.VectorStaticStore` sides instead.
 """
 from __future__ import annotations
@@ -121,27 +124,28 @@ class VectorStore:
             self.started = True
             self.sink = new.gather(2, self._sink_index(new).clamp_max(new.shape[2] - 1)).clone()
         held, incoming = window.shape[-2] - SPARE_ROWS, new.shape[-2]
-        tokens = held + incoming
+        tokens, coded = held + incoming, self.coded
         chunk = self.book.drift_chunk
         if chunk:
-            self._measure(new[:, 0], self.coded + held, chunk)
+            self._measure(new[:, 0], coded + held, chunk)
         # as IntegerStore.append: the new tokens over the spare rows, and one row more
         grown = torch.cat([window, new.new_zeros(*new.shape[:-2], incoming + 1, new.shape[-1])],
                           dim=-2).slice_scatter(new, dim=2, start=held, end=tokens)
-        whole = tokens // BLOCK * BLOCK
-        if not torch.compiler.is_compiling() and whole == 0:  # eager: no block filled
+        # the window's tokens that leave the recent ones, whole blocks (none after a cut)
+        whole = torch.sym_max(self.book.coded(coded + tokens) - coded, 0)
+        if not torch.compiler.is_compiling() and whole == 0:  # eager: no block left
             return grown.narrow(2, 0, tokens + SPARE_ROWS)
-        # code as many blocks as can have filled and one more (a static shape; rows past the
+        # code as many blocks as can have left and one more (a static shape; rows past the
         # tokens are padding), keep `whole` tokens of them and the spare slots
         rows = (BLOCK - 1 + incoming) // BLOCK * BLOCK + BLOCK
         staged = torch.cat([grown, grown.new_zeros(*new.shape[:-2], rows, new.shape[-1])],
                            dim=-2).narrow(2, 0, rows)
         coding = staged[:, 0]
         if chunk:  # each token about its chunk's drift
-            offsets = drift.offsets_at(self.means, self.coded, rows, chunk)
+            offsets = drift.offsets_at(self.means, coded, rows, chunk)
             coding = coding - offsets.to(coding.dtype)
         fresh = vector_encode(coding, self.book.codewords)
-        blocks = self.coded // BLOCK
+        blocks = coded // BLOCK
         self.payload = tuple(splice(old, new_codes, -1, blocks * ib,
                                     (blocks + whole // BLOCK + SPARE_BLOCKS) * ib)
                              for old, new_codes, ib in zip(self.payload, fresh,

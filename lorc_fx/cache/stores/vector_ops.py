@@ -6,10 +6,12 @@ side instead of every run's unpacking, gathers and packing traced out:
 - ``lorc::vector_decode(payload, values)``: the latents ``(b, blocks·BLOCK, r)`` of every
   block of slots, in the reconstructions' dtype;
 - ``lorc::vector_latents(payload, values, window, coded, tokens, sink, sink_at, means,
-  chunk)``: what attention reads of a side, every token's latent ``(b, 1, tokens, r)``: the
-  first ``coded`` decoded (each plus its chunk's drift offset, ``stores.drift``), then the
-  window's rows, each row's sink written over its position; decode steps read the codes
-  themselves instead (``compile.quantized_attention`` finds this op);
+  chunk, ring_from, ring_to)``: what attention reads of a side, every token's latent ``(b, 1,
+  tokens, r)``: the first ``coded`` decoded (each plus its chunk's drift offset,
+  ``stores.drift``), then the window's rows (or, where the window is a static store's ring,
+  the positions from ``ring_from`` to ``ring_to`` read from it), each row's sink written over
+  its position; decode steps read the codes themselves instead
+  (``compile.quantized_attention`` finds this op);
 - ``lorc::vector_rewritten(payload, z (b, t, r), scaled, norms, start)``: the blocks of a static
   store's ``(b, S, blocks, index bytes)`` that ``t`` tokens written from token ``start`` (a
   0-d tensor) reach, their indices packed in; the store copies them back in place.
@@ -72,12 +74,15 @@ def _(payload, values):
 @custom_op("lorc::vector_latents", mutates_args=())
 def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, coded: int,
                    tokens: int, sink: Tensor | None, sink_at: Tensor | None,
-                   means: Tensor | None, chunk: int) -> Tensor:
+                   means: Tensor | None, chunk: int, ring_from: Tensor | None = None,
+                   ring_to: Tensor | None = None) -> Tensor:
     """Every token's latent ``(b, 1, tokens, r)`` in the window's dtype: the first ``coded``
     slots of the codes decoded, each plus its drift offset where there is a drift table
     ``means (b, rows, r)`` of ``chunk`` positions a row, then the window's ``(b, 1, rows, r)``
-    first rows; each row's ``sink (b, 1, 1, r)`` over its position ``sink_at (b,)`` (0 where
-    None)."""
+    first rows; where ``ring_to`` is given (0-d tensors; every token coded), the window is a
+    ring: positions ``ring_from`` to ``ring_to`` are read from its rows (position ``p`` at
+    row ``p % rows``) instead. Each row's ``sink (b, 1, 1, r)`` over its position ``sink_at
+    (b,)`` (0 where None)."""
     decoded = vector_decode(payload, values)
     if means is not None:
         decoded = decoded + drift.spread(drift.offsets(means), decoded.shape[1], chunk).to(
@@ -87,7 +92,12 @@ def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, 
     # the coded tokens, then the window's (past the code slots, spare ones included): a
     # gather, so no tensor has the coded tokens' length alone (0 until a block fills)
     at = torch.arange(tokens, device=window.device)
-    latents = both.index_select(2, torch.where(at < coded, at, at - coded + decoded.shape[-2]))
+    if ring_to is None:
+        latents = both.index_select(2, torch.where(at < coded, at, at - coded + decoded.shape[-2]))
+    else:
+        exact = (at >= ring_from) & (at < ring_to)
+        latents = both.index_select(2, torch.where(exact, at % window.shape[2] + decoded.shape[-2],
+                                                   at))
     if sink is None:
         return latents
     b, r = window.shape[0], window.shape[-1]
@@ -96,7 +106,8 @@ def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, 
 
 
 @vector_latents.register_fake
-def _(payload, values, window, coded, tokens, sink, sink_at, means, chunk):
+def _(payload, values, window, coded, tokens, sink, sink_at, means, chunk, ring_from=None,
+      ring_to=None):
     return window.new_empty(window.shape[0], 1, tokens, window.shape[-1])
 
 

@@ -10,20 +10,25 @@ once for every position:
   / BLOCK) + 1`` (one spare: a write stages one block past the last it reaches);
 - a **sink** ``(b, 1, 1, r)``: each row's first token's latent as it came (``place_sinks``),
   written by whichever write covers its position, read instead of its code;
+- a **ring** of the latest tokens as they came (the layer's ``keys`` / ``values``,
+  ``VectorBook.exact_rows(max_cache_len)`` rows, token ``p`` at row ``p % rows``): the
+  tokens the dynamic store keeps in its window (``VectorBook.coded``: the recent window and
+  the partial block) are read from it, so both stores read every token alike;
 - where the book says (``VectorBook.drift_chunk``), the **drift table** ``(b, rows, r)`` of
   every chunk of the code slots, measured by the prefill's write (``stores.drift``): each
   token coded about its chunk's drift from the first chunk.
 
-A token's index depends on that token alone, so a write of ``t`` tokens needs no window of
-full-precision tokens: it reads the ``ceil(t / BLOCK) + 1`` blocks from the one ``start``
-falls in, unpacks their indices, writes the new tokens' over them and packs them back. Every
-token is read from its code from the step it is written (the dynamic store reads the tokens
-of the block not yet full from its window, in full precision): the two agree on whole blocks.
+A token's index depends on that token alone, so every token is coded as it is written: a
+write of ``t`` tokens reads the ``ceil(t / BLOCK) + 1`` blocks from the one ``start`` falls
+in, unpacks their indices, writes the new tokens' over them and packs them back, and writes
+the last of them into the ring. The tokens written so far, ``held`` (a 0-d tensor each write
+sets in place), say which positions the ring holds.
 
 What attention reads is all ``max_cache_len`` positions decoded (each plus its drift offset),
-each row's sink written over its position (positions past the cache's length are masked).
-Bytes: the codes of ``max_cache_len`` tokens in whole blocks, the spare block, the sink and
-the drift table.
+the positions from ``VectorBook.coded(held)`` to ``held`` read from the ring instead and each
+row's sink written over its position (positions past the cache's length are masked).
+Bytes: the codes of ``max_cache_len`` tokens in whole blocks, the spare block, the ring, the
+sink and the drift table.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class VectorStaticStore:
         self.sink_at: torch.Tensor | None = None  # (b,); None: position 0
         self.max_cache_len = 0
         self.means: torch.Tensor | None = None  # (b, rows, r) drift offsets' chunk means
+        self.held: torch.Tensor | None = None  # 0-d: the tokens written so far
         # each run's -2c and |c|² (``distance_terms``), formed once for the writes
         self.terms: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
@@ -58,14 +64,17 @@ class VectorStaticStore:
 
     def allocate(self, states: torch.Tensor, basis: torch.Tensor | None,
                  max_cache_len: int, ring: bool = False) -> torch.Tensor:
-        """Zeroed codes and sink for ``max_cache_len`` tokens; returns the window (no rows:
-        nothing is kept in full precision but the sink)."""
+        """Zeroed codes, sink and ring for ``max_cache_len`` tokens; returns the window: the
+        ring."""
         if ring or basis is None:
             raise ValueError("vector codes are stored for latents of full-attention layers only")
         self.max_cache_len, self.book = max_cache_len, self.book.to(states.device)
         scaled, norms = zip(*(distance_terms(c) for c in self.book.codewords))
         self.terms = (list(scaled), list(norms))
-        window = buffer(states, basis, 0)
+        window = buffer(states, basis, self.book.exact_rows(max_cache_len))
+        self.held = torch.zeros((), dtype=torch.long, device=states.device)
+        if not torch.compiler.is_compiling():  # as the layer's buffers (not in ``tensors``:
+            torch._dynamo.mark_static_address(self.held)  # no batch axis, no cache bytes)
         b = window.shape[0]
         blocks = -(-max_cache_len // BLOCK) + 1
         self.payload = tuple(states.new_zeros(b, subs, blocks, ib, dtype=torch.uint8)
@@ -93,19 +102,25 @@ class VectorStaticStore:
         for codes, new in zip(self.payload, vector_rewritten(
                 list(self.payload), coding, *self.terms, start)):
             codes.index_copy_(2, block, new)
+        last = min(t, window.shape[2])  # the tokens the ring keeps, each at a row of its own
+        window.index_copy_(2, positions[t - last:] % window.shape[2], states[:, :, t - last:])
+        self.held.copy_(start + t)
         # the sink, where this write covers it (a where, not a branch)
         local = (self.sink_at - start).clamp(0, t - 1).view(b, 1, 1, 1).expand(b, 1, 1, r)
         covered = ((self.sink_at >= start) & (self.sink_at < start + t)).view(b, 1, 1, 1)
         self.sink.copy_(torch.where(covered, states.gather(2, local), self.sink))
 
     def read(self, window: torch.Tensor) -> torch.Tensor:
-        """Every allocated position decoded ``(b, 1, max_cache_len, r)`` (plus its drift
-        offset), each row's sink as it came (``window`` has no rows)."""
+        """Every allocated position ``(b, 1, max_cache_len, r)``: decoded (plus its drift
+        offset), but those from ``book.coded(held)`` on as the ring holds them and each row's
+        sink as it came."""
         return vector_latents([p.flatten(-2) for p in self.payload], self.book.reconstructions,
-                              window.to(self.sink.dtype), self.max_cache_len, self.max_cache_len,
-                              self.sink, self.sink_at, self.means, self.book.drift_chunk)
+                              window, self.max_cache_len, self.max_cache_len, self.sink,
+                              self.sink_at, self.means, self.book.drift_chunk,
+                              self.book.coded(self.held), self.held)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Packed codes, the sink and the drift table (the window is the layer's)."""
+        """Packed codes, the sink and the drift table (the window, the ring, is the
+        layer's)."""
         return ([*self.payload] + ([] if self.sink is None else [self.sink])
                 + ([] if self.means is None else [self.means]))

@@ -82,7 +82,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _RECONSTRUCT_ARGS = ("latent", "basis", "num_heads")
 _ROTATED_ARGS = ("latent", "basis", "num_heads", "cos", "sin", "style", "pairs")
 _VECTOR_ARGS = ("payload", "values", "window", "coded", "tokens", "sink", "sink_at", "means",
-                "chunk")
+                "chunk", "ring_from", "ring_to")
 _DEQUANTIZE_ARGS = ("payload", "scale", "zero", "bits", "group", "axis", "length", "width",
                     "dtype")
 # query tokens up to which attention over pre-RoPE keys or quantized sides materialises its
@@ -138,7 +138,7 @@ def _side(node: fx.Node, axes: tuple[int, ...]):
             codes, window = parts
     if codes.target is VECTOR_LATENTS:
         return None if tokens is not None or order is not None else (
-            VECTOR, *(_bound(codes, _VECTOR_ARGS)[name] for name in _VECTOR_ARGS))
+            VECTOR, *(_bound(codes, _VECTOR_ARGS).get(name) for name in _VECTOR_ARGS))
     if codes.target is not DEQUANTIZE:
         return None, node, None
     bound = _bound(codes, _DEQUANTIZE_ARGS)
