@@ -138,13 +138,17 @@ class VectorBook:
         symbolic int or a tensor): whole blocks, the recent window and the partial block after
         them kept in full precision. Never decreases as ``tokens`` grows, by one block at
         most a token."""
-        recent = -(-tokens // self.recent_divisor) if self.recent_divisor else 0
-        return (tokens - recent) // BLOCK * BLOCK
+        return (tokens - self._recent(tokens)) // BLOCK * BLOCK
 
     def exact_rows(self, tokens: int) -> int:
         """The most tokens a cache of up to ``tokens`` tokens keeps in full precision: the
         recent window's and a partial block's."""
-        return (-(-tokens // self.recent_divisor) if self.recent_divisor else 0) + BLOCK - 1
+        return self._recent(tokens) + BLOCK - 1
+
+    def _recent(self, tokens):
+        """The recent window of a cache of ``tokens`` tokens: ``ceil(tokens /
+        recent_divisor)``, 0 without one."""
+        return -(-tokens // self.recent_divisor) if self.recent_divisor else 0
 
 
 @dataclass(frozen=True)

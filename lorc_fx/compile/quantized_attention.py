@@ -338,24 +338,22 @@ class _VectorPositions(_Positions):
         self.offsets = None if means is None else drift.offsets(means)[:, None]
         self.chunk = chunk
         self.ring_from, self.ring_to = ring_from, ring_to
+        if ring_to is not None:  # once a step: what every read of the positions masks by
+            slots = torch.arange(self.slots, device=self.device)
+            self.slot_in_ring = self._in_ring(slots)  # (slots,): read from the ring instead
+            last, rows = ring_to - 1, torch.arange(self.rows, device=self.device)
+            self.ring_tokens = last - (last - rows) % self.rows  # each row's latest (< 0: none)
+            self.ring_held = self.ring_tokens >= ring_from  # (rows,): read from there
 
     def _in_ring(self, tokens):
         """Whether each of ``tokens`` (positions along the codes) is read from the ring."""
         return (tokens >= self.ring_from) & (tokens < self.ring_to)
 
-    def _ring_tokens(self):
-        """The latest token each ring row holds ``(rows,)`` (negative: none yet), and whether
-        it is read from there."""
-        last = self.ring_to - 1
-        tokens = last - (last - torch.arange(self.rows, device=self.device)) % self.rows
-        return tokens, tokens >= self.ring_from
-
     def held(self):
         if self.ring_to is None:
             return super().held()
-        slots = torch.arange(self.slots, device=self.device)
-        rows = self._ring_tokens()[1]
-        return torch.cat([(slots < self.length) & ~self._in_ring(slots), rows])
+        slots = torch.arange(self.slots, device=self.device) < self.length
+        return torch.cat([slots & ~self.slot_in_ring, self.ring_held])
 
     def spread(self, x, dim: int):
         if self.ring_to is None:
@@ -365,11 +363,11 @@ class _VectorPositions(_Positions):
         spare = list(x.shape)
         spare[dim] = self.slots - self.length
         slots = torch.cat([x.narrow(dim, 0, self.length), x.new_zeros(spare)], dim=dim)
-        in_ring = self._in_ring(torch.arange(self.slots, device=self.device))
-        tokens, held = self._ring_tokens()
-        rows = x.index_select(dim, tokens.clamp(0, self.tokens - 1))
-        return torch.cat([torch.where(in_ring.view(shape), torch.zeros_like(slots), slots),
-                          torch.where(held.view(shape), rows, torch.zeros_like(rows))], dim=dim)
+        rows = x.index_select(dim, self.ring_tokens.clamp(0, self.tokens - 1))
+        return torch.cat([torch.where(self.slot_in_ring.view(shape), torch.zeros_like(slots),
+                                      slots),
+                          torch.where(self.ring_held.view(shape), rows, torch.zeros_like(rows))],
+                         dim=dim)
 
     def position_of_token(self):
         if self.ring_to is None:
