@@ -4,7 +4,7 @@ project's plans (``compress(model, bits_per_value=B)``) beside transformers' ``Q
 
     OMP_NUM_THREADS=1 python bench/retrieval.py [--task passkey] [--lengths 1k,2k,4k,8k]
         [--trials 10] [--seed 0] [--haystack noise] [--budgets 8.5,4.5,3,2.56,1.92]
-        [--plans 2.56=PLAN.safetensors]
+        [--plans 2.56=PLAN.safetensors,LABEL=PLAN.safetensors]
         [--quanto 4,2] [--one-prefill [--shard K/N] [--merge A.json,...]]
         [--out bench/results/retrieval-cpu]
 
@@ -14,7 +14,8 @@ per prompt; the answer is right when the first number written is the key). Accur
 its Wilson 95% interval.
 
 ``--plans B=PATH`` installs a saved plan for budget ``B`` instead of planning it (vector plans
-take tens of minutes to plan on 2 cores).
+take tens of minutes to plan on 2 cores); a label that is not one of ``--budgets`` adds the
+plan as a method of its own, ``lorc LABEL`` (e.g. the same plan with an option changed).
 
 ``--one-prefill``: the full cache and every plan answer each prompt from one forward of it
 (``retrieval.answers_sharing_prefill``: a compressed cache's prefill computes what the full
@@ -166,17 +167,25 @@ def install(model, b: float, plans: dict):
             else lorc_fx.compress(model, bits_per_value=b))
 
 
-def one_prefill(model, tok, samples: dict, budgets: list[float], plans: dict, quanto: list[int],
+def lorc_methods(budgets: list[float], plans: dict) -> dict:
+    """The project's methods by name, each with how it is installed on a model: every
+    budget (its saved plan or planned here), then every other saved plan by its label."""
+    methods = {f"lorc {b:g}": lambda model, b=b: install(model, b, plans) for b in budgets}
+    for label, path in plans.items():
+        methods.setdefault(f"lorc {label}", lambda model, path=path:
+                           lorc_fx.compress(model, plan=path))
+    return methods
+
+
+def one_prefill(model, tok, samples: dict, methods: dict, quanto: list[int],
                 result: dict, saved: Path, shard: tuple[int, int]) -> None:
-    """Rows of the full cache, of every budget's plan and of quanto at each of ``quanto``'s
+    """Rows of the full cache, of every one of ``methods``' plans and of quanto at each of ``quanto``'s
     widths, from one prefill a prompt. The
     outputs so far are kept in ``result["partial"][length][method][prompt index]`` after
     every prompt; ``shard`` ``(k, n)``: only the prompts whose index is ``k`` modulo ``n``
     (another process's shard merged in with ``--merge``). A length's rows are written once
     every prompt has its outputs."""
-    installed = {}
-    for b in budgets:
-        installed[f"lorc {b:g}"] = install(model, b, plans).plan
+    installed = {name: installs(model).plan for name, installs in methods.items()}
     peers = {f"quanto int{b}": lambda b=b: quanto_cache(model, b) for b in quanto}
     bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()},
             **{f"quanto int{b}": quanto_bits(b) for b in quanto}}
@@ -235,7 +244,8 @@ def main() -> None:
     ap.add_argument("--haystack", default=NOISE_HAYSTACK,
                     help="the filler: noise (sentences repeated) or a text's name or file")
     ap.add_argument("--budgets", default="8.5,4.5,3,2.56,1.92", help="bits per value ('' none)")
-    ap.add_argument("--plans", default="", help="B=PATH,...: saved plans for budgets B")
+    ap.add_argument("--plans", default="", help="B=PATH,...: saved plans for budgets B "
+                    "(or, for a label B not in --budgets, methods of their own)")
     ap.add_argument("--quanto", default="4,2", help="quanto bit widths ('' none)")
     ap.add_argument("--one-prefill", action="store_true",
                     help="one forward of each prompt writes every method's cache (see above)")
@@ -249,6 +259,7 @@ def main() -> None:
     budgets = [float(b) for b in args.budgets.split(",") if b]
     quanto = [int(b) for b in args.quanto.split(",") if b]
     plans = dict(item.split("=", 1) for item in args.plans.split(",") if item)
+    methods = lorc_methods(budgets, plans)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"task": args.task, "trials": args.trials, "seed": args.seed,
@@ -282,16 +293,14 @@ def main() -> None:
     if args.one_prefill:
         merge_partial(result, [Path(f) for f in args.merge.split(",") if f], lengths)
         shard = tuple(int(k) for k in args.shard.split("/"))
-        one_prefill(model, tok, samples, budgets, plans, quanto, result, saved, shard)
+        one_prefill(model, tok, samples, methods, quanto, result, saved, shard)
     else:
         run("full cache", 16.0, lambda s: answers(model, tok, s, compressed=False))
-    for b in budgets:
-        name = f"lorc {b:g}"
+    for name, installs in methods.items():
         if args.one_prefill or all((name, n) in done for n in lengths):
             continue
-        report = install(model, b, plans)
-        name_bits = report.plan.bits_per_value
-        run(name, name_bits, lambda s: answers(model, tok, s, compressed=True))
+        bits = installs(model).plan.bits_per_value
+        run(name, bits, lambda s: answers(model, tok, s, compressed=True))
     for bits in [] if args.one_prefill else quanto:
         run(f"quanto int{bits}", quanto_bits(bits),
             lambda s, bits=bits: quanto_answers(model, tok, s, bits))
