@@ -1,5 +1,5 @@
 """What the per-prompt retrieval diagnoses (``retrieval_layers.py``, ``retrieval_positions.py``)
-share: their prompt arguments, the shard of prompts a process runs (``--shard K/N``: one
+share: their prompt arguments, the model with the saved plan installed and the prompts, the shard of prompts a process runs (``--shard K/N``: one
 process a core, each its own ``--out``), and their output: ``OUT.json`` (settings, machine
 and every prompt's figures, the other shards' folded in with ``--merge``), then, once every
 prompt is in, ``OUT.md``."""
@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 
 
-def add_prompt_args(ap: argparse.ArgumentParser, task: str, length: str, trials: int,
-                    seed: int, out: str) -> None:
-    """``--task --length --trials --seed --shard --merge --out``, with these defaults."""
+def add_prompt_args(ap: argparse.ArgumentParser, plan: str, task: str, length: str,
+                    trials: int, seed: int, out: str) -> None:
+    """``--plan`` (required; ``plan`` its help) and ``--task --length --trials --seed
+    --shard --merge --out``, with these defaults."""
     from lorc_fx.data.retrieval_tasks import TASKS
+    ap.add_argument("--plan", required=True, help=plan)
     ap.add_argument("--task", default=task, choices=TASKS)
     ap.add_argument("--length", default=length)
     ap.add_argument("--trials", type=int, default=trials)
@@ -24,6 +26,21 @@ def add_prompt_args(ap: argparse.ArgumentParser, task: str, length: str, trials:
     ap.add_argument("--shard", default="0/1", help="K/N: the prompts whose index is K modulo N")
     ap.add_argument("--merge", default="", help="other shards' OUT.json, comma-separated")
     ap.add_argument("--out", default=out)
+
+
+def planned_prompts(args: argparse.Namespace):
+    """``(length, model, tokenizer, plan, samples)``: ``--length`` in tokens, the default
+    model with ``--plan`` installed, its tokenizer, the plan, and the prompts of ``--task
+    --trials --seed`` at that length."""
+    import lorc_fx
+    from lorc_fx.data.models import load_tokenizer
+    from lorc_fx.data.retrieval_tasks import make_samples
+    from lorc_fx.eval.retrieval import parse_lengths
+
+    (length,) = parse_lengths(args.length)
+    model, tok = lorc_fx.load_model("default"), load_tokenizer()
+    plan = lorc_fx.compress(model, plan=args.plan).plan
+    return length, model, tok, plan, make_samples(tok, args.task, length, args.trials, args.seed)
 
 
 def mine(args: argparse.Namespace, count: int) -> list[int]:

@@ -27,12 +27,10 @@ import statistics
 from pathlib import Path
 
 import lorc_fx
-from lorc_fx.data.models import load_tokenizer
-from lorc_fx.data.retrieval_tasks import make_samples
-from lorc_fx.eval.retrieval import parse_lengths
 from lorc_fx.search.one_prefill import FULL, answer_logprobs
 from lorc_fx.search.retrieval_probe import one_layer_coded
-from prompt_shards import add_prompt_args, machine, mine, save, write_table  # bench/'s own
+from prompt_shards import (add_prompt_args, machine, mine, planned_prompts, save,  # bench/'s own
+                           write_table)
 
 
 def variants(plan):
@@ -55,16 +53,11 @@ def table(scores: dict[str, list[float]]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plan", required=True, help="a saved plan (report.save)")
-    add_prompt_args(ap, "multikey", "1k", 24, 7, "bench/results/retrieval_layers-cpu")
+    add_prompt_args(ap, "a saved plan (report.save)", "multikey", "1k", 24, 7,
+                    "bench/results/retrieval_layers-cpu")
     args = ap.parse_args()
-    (length,) = parse_lengths(args.length)
-
-    model = lorc_fx.load_model("default")
-    tok = load_tokenizer()
-    plan = lorc_fx.compress(model, plan=args.plan).plan
+    length, model, tok, plan, samples = planned_prompts(args)
     blocks = lorc_fx.analyze(model)
-    samples = make_samples(tok, args.task, length, args.trials, args.seed)
     indices = mine(args, len(samples))
     prompts = [(samples[i].input_ids, samples[i].answer_ids(tok)) for i in indices]
     scores = answer_logprobs(model, prompts, variants(plan), blocks)

@@ -33,14 +33,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-import lorc_fx
 from lorc_fx.cache import LatentCache
 from lorc_fx.cache.stores.vector import VectorStore
-from lorc_fx.data.models import load_tokenizer
-from lorc_fx.data.retrieval_tasks import Sample, make_samples
-from lorc_fx.eval.retrieval import parse_lengths
+from lorc_fx.data.retrieval_tasks import Sample
 from lorc_fx.plan.plan_file import load_plan
-from prompt_shards import add_prompt_args, machine, mine, save, write_table  # bench/'s own
+from prompt_shards import (add_prompt_args, machine, mine, planned_prompts, save,  # bench/'s own
+                           write_table)
 
 RECENT = 32  # the "last 32" mode's positions
 SHARE = 256  # the "recent 1/256" mode's: that share of the prompt's last positions
@@ -160,19 +158,14 @@ def table(prompts: dict[str, dict[str, list[float]]]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--plan", required=True, help="a saved vector-coded plan (report.save)")
-    add_prompt_args(ap, "multikey", "4k", 50, 11, "bench/results/retrieval_positions-cpu")
+    add_prompt_args(ap, "a saved vector-coded plan (report.save)", "multikey", "4k", 50, 11,
+                    "bench/results/retrieval_positions-cpu")
     args = ap.parse_args()
-    (length,) = parse_lengths(args.length)
-    plan = load_plan(args.plan)
+    plan = load_plan(args.plan)  # checked before the model loads
     if plan.scheme.name != "vector":
         raise SystemExit(f"--plan: {args.plan} is a {plan.scheme.name} plan; this reads "
                          "vector codes exact, so it takes a vector-coded plan (below 4.5 bits)")
-
-    model = lorc_fx.load_model("default")
-    tok = load_tokenizer()
-    lorc_fx.compress(model, plan=plan)
-    samples = make_samples(tok, args.task, length, args.trials, args.seed)
+    length, model, tok, plan, samples = planned_prompts(args)
     per_prompt = {}
     for i in mine(args, len(samples)):
         per_prompt[str(i)] = measure(model, tok, plan, samples[i])
