@@ -29,7 +29,7 @@ This module imports nothing from lorc_fx but ``integer``'s packing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -130,8 +130,7 @@ class VectorBook:
         return sum(c.nbytes + v.nbytes for c, v in self.tables)
 
     def to(self, device: torch.device | str) -> "VectorBook":
-        return VectorBook(self.spec, tuple((c.to(device), v.to(device)) for c, v in self.tables),
-                          self.drift_chunk, self.recent_divisor)
+        return replace(self, tables=tuple((c.to(device), v.to(device)) for c, v in self.tables))
 
     def coded(self, tokens):
         """How many of a cache's first ``tokens`` tokens it holds as codes (an int, a
