@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from lorc_fx.cache.stores import drift
-from lorc_fx.cache.stores.vector_ops import vector_decode
+from lorc_fx.cache.stores.vector_ops import token_positions, vector_decode
 from lorc_fx.codes.vector import BLOCK, layout_of
 from lorc_fx.kernels import vector_reductions
 from lorc_fx.kernels.code_reductions import native_applies
@@ -245,8 +245,8 @@ class _Positions:
         """Where each token ``0 .. tokens - 1`` sits among the positions ``(tokens,)``."""
         if self.order is not None:
             return self.order
-        tokens = torch.arange(self.tokens, device=self.device)
-        return torch.where(tokens < self.length, tokens, tokens + (self.slots - self.length))
+        return token_positions(self.tokens, self.length, self.slots, self.rows,
+                               device=self.device)
 
     def scores(self, q):
         """``q (b, hk, m, width)`` against every position: ``(b, hk, m, positions)``,
@@ -340,14 +340,11 @@ class _VectorPositions(_Positions):
         self.ring_from, self.ring_to = ring_from, ring_to
         if ring_to is not None:  # once a step: what every read of the positions masks by
             slots = torch.arange(self.slots, device=self.device)
-            self.slot_in_ring = self._in_ring(slots)  # (slots,): read from the ring instead
+            # (slots,): read from the ring instead
+            self.slot_in_ring = (slots >= ring_from) & (slots < ring_to)
             last, rows = ring_to - 1, torch.arange(self.rows, device=self.device)
             self.ring_tokens = last - (last - rows) % self.rows  # each row's latest (< 0: none)
             self.ring_held = self.ring_tokens >= ring_from  # (rows,): read from there
-
-    def _in_ring(self, tokens):
-        """Whether each of ``tokens`` (positions along the codes) is read from the ring."""
-        return (tokens >= self.ring_from) & (tokens < self.ring_to)
 
     def held(self):
         if self.ring_to is None:
@@ -370,10 +367,8 @@ class _VectorPositions(_Positions):
                          dim=dim)
 
     def position_of_token(self):
-        if self.ring_to is None:
-            return super().position_of_token()
-        tokens = torch.arange(self.tokens, device=self.device)
-        return torch.where(self._in_ring(tokens), tokens % self.rows + self.slots, tokens)
+        return token_positions(self.tokens, self.length, self.slots, self.rows, self.ring_from,
+                               self.ring_to, self.device)
 
     def _decoded(self):
         """Every slot's latent ``(b, 1, slots, r)`` in float32, its drift offset added."""

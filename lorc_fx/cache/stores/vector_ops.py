@@ -71,6 +71,21 @@ def _(payload, values):
     return payload[0].new_empty(b, nbytes // ib * BLOCK, width, dtype=values[0].dtype)
 
 
+def token_positions(tokens: int, coded: int, slots: int, rows: int,
+                    ring_from: Tensor | None = None, ring_to: Tensor | None = None,
+                    device=None) -> Tensor:
+    """Where each token ``0 .. tokens - 1`` sits among a side's positions, the codes'
+    ``slots`` (spare ones included) then the window's ``rows`` ``(tokens,)``: the first
+    ``coded`` tokens in their slots and the rest in the window's rows in turn; or, where
+    ``ring_to`` is given (every token coded, the window a ring), tokens ``ring_from`` to
+    ``ring_to`` at row ``p % rows`` and every other in its slot. The one map both the
+    latents rebuilt (``vector_latents``) and attention over the codes read."""
+    at = torch.arange(tokens, device=device)
+    if ring_to is None:
+        return torch.where(at < coded, at, at - coded + slots)
+    return torch.where((at >= ring_from) & (at < ring_to), at % rows + slots, at)
+
+
 @custom_op("lorc::vector_latents", mutates_args=())
 def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, coded: int,
                    tokens: int, sink: Tensor | None, sink_at: Tensor | None,
@@ -89,15 +104,10 @@ def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, 
             decoded.dtype)
     decoded = decoded[:, None].to(window.dtype)
     both = torch.cat([decoded, window], dim=-2)
-    # the coded tokens, then the window's (past the code slots, spare ones included): a
-    # gather, so no tensor has the coded tokens' length alone (0 until a block fills)
-    at = torch.arange(tokens, device=window.device)
-    if ring_to is None:
-        latents = both.index_select(2, torch.where(at < coded, at, at - coded + decoded.shape[-2]))
-    else:
-        exact = (at >= ring_from) & (at < ring_to)
-        latents = both.index_select(2, torch.where(exact, at % window.shape[2] + decoded.shape[-2],
-                                                   at))
+    # a gather, so no tensor has the coded tokens' length alone (0 until a block fills)
+    latents = both.index_select(2, token_positions(tokens, coded, decoded.shape[-2],
+                                                   window.shape[2], ring_from, ring_to,
+                                                   window.device))
     if sink is None:
         return latents
     b, r = window.shape[0], window.shape[-1]
