@@ -180,10 +180,11 @@ def lorc_methods(budgets: list[float], plans: dict) -> dict:
 def one_prefill(model, tok, samples: dict, methods: dict, quanto: list[int],
                 result: dict, saved: Path, shard: tuple[int, int]) -> None:
     """Rows of the full cache, of every one of ``methods``' plans and of quanto at each of
-    ``quanto``'s widths, from one prefill a prompt. The outputs so far are kept in ``result["partial"][length][method][prompt index]`` after
-    every prompt; ``shard`` ``(k, n)``: only the prompts whose index is ``k`` modulo ``n``
-    (another process's shard merged in with ``--merge``). A length's rows are written once
-    every prompt has its outputs."""
+    ``quanto``'s widths, from one prefill a prompt. The outputs so far are kept in
+    ``result["partial"][length][method][prompt index]`` after every prompt; ``shard``
+    ``(k, n)``: only the prompts whose index is ``k`` modulo ``n`` (another process's shard
+    merged in with ``--merge``). A length's rows are written once every prompt has its
+    outputs."""
     installed = {name: installs(model).plan for name, installs in methods.items()}
     peers = {f"quanto int{b}": lambda b=b: quanto_cache(model, b) for b in quanto}
     bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()},

@@ -245,8 +245,8 @@ class _Positions:
         """Where each token ``0 .. tokens - 1`` sits among the positions ``(tokens,)``."""
         if self.order is not None:
             return self.order
-        return token_positions(self.tokens, self.length, self.slots, self.rows,
-                               device=self.device)
+        return token_positions(torch.arange(self.tokens, device=self.device), self.length,
+                               self.slots, self.rows)
 
     def scores(self, q):
         """``q (b, hk, m, width)`` against every position: ``(b, hk, m, positions)``,
@@ -367,8 +367,8 @@ class _VectorPositions(_Positions):
                          dim=dim)
 
     def position_of_token(self):
-        return token_positions(self.tokens, self.length, self.slots, self.rows, self.ring_from,
-                               self.ring_to, self.device)
+        return token_positions(torch.arange(self.tokens, device=self.device), self.length,
+                               self.slots, self.rows, self.ring_from, self.ring_to)
 
     def _decoded(self):
         """Every slot's latent ``(b, 1, slots, r)`` in float32, its drift offset added."""
@@ -382,7 +382,7 @@ class _VectorPositions(_Positions):
         b = like.shape[0]
         at = (torch.zeros(b, dtype=torch.long, device=self.device) if self.sink_at is None
               else self.sink_at.long())
-        at = torch.where(at < self.length, at, at - self.length + self.slots)
+        at = token_positions(at, self.length, self.slots)
         return at.view(b, 1, 1, 1).expand(b, 1, m, 1)
 
     def scores(self, q):

@@ -71,16 +71,14 @@ def _(payload, values):
     return payload[0].new_empty(b, nbytes // ib * BLOCK, width, dtype=values[0].dtype)
 
 
-def token_positions(tokens: int, coded: int, slots: int, rows: int,
-                    ring_from: Tensor | None = None, ring_to: Tensor | None = None,
-                    device=None) -> Tensor:
-    """Where each token ``0 .. tokens - 1`` sits among a side's positions, the codes'
-    ``slots`` (spare ones included) then the window's ``rows`` ``(tokens,)``: the first
-    ``coded`` tokens in their slots and the rest in the window's rows in turn; or, where
-    ``ring_to`` is given (every token coded, the window a ring), tokens ``ring_from`` to
-    ``ring_to`` at row ``p % rows`` and every other in its slot. The one map both the
-    latents rebuilt (``vector_latents``) and attention over the codes read."""
-    at = torch.arange(tokens, device=device)
+def token_positions(at: Tensor, coded: int, slots: int, rows: int = 0,
+                    ring_from: Tensor | None = None, ring_to: Tensor | None = None) -> Tensor:
+    """Where each of the tokens ``at`` sits among a side's positions, the codes' ``slots``
+    (spare ones included) then the window's ``rows``: the first ``coded`` tokens in their
+    slots and the rest in the window's rows in turn; or, where ``ring_to`` is given (every
+    token coded, the window a ring), tokens ``ring_from`` to ``ring_to`` at row ``p % rows``
+    and every other in its slot. The one map both the latents rebuilt (``vector_latents``)
+    and attention over the codes read."""
     if ring_to is None:
         return torch.where(at < coded, at, at - coded + slots)
     return torch.where((at >= ring_from) & (at < ring_to), at % rows + slots, at)
@@ -105,9 +103,9 @@ def vector_latents(payload: list[Tensor], values: list[Tensor], window: Tensor, 
     decoded = decoded[:, None].to(window.dtype)
     both = torch.cat([decoded, window], dim=-2)
     # a gather, so no tensor has the coded tokens' length alone (0 until a block fills)
-    latents = both.index_select(2, token_positions(tokens, coded, decoded.shape[-2],
-                                                   window.shape[2], ring_from, ring_to,
-                                                   window.device))
+    at = token_positions(torch.arange(tokens, device=window.device), coded, decoded.shape[-2],
+                         window.shape[2], ring_from, ring_to)
+    latents = both.index_select(2, at)
     if sink is None:
         return latents
     b, r = window.shape[0], window.shape[-1]
