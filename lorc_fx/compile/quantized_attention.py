@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from lorc_fx.cache.stores import drift
-from lorc_fx.cache.stores.vector_ops import token_positions, vector_decode
+from lorc_fx.cache.stores.vector_ops import in_ring, token_positions, vector_decode
 from lorc_fx.codes.vector import BLOCK, layout_of
 from lorc_fx.kernels import vector_reductions
 from lorc_fx.kernels.code_reductions import native_applies
@@ -339,9 +339,9 @@ class _VectorPositions(_Positions):
         self.chunk = chunk
         self.ring_from, self.ring_to = ring_from, ring_to
         if ring_to is not None:  # once a step: what every read of the positions masks by
-            slots = torch.arange(self.slots, device=self.device)
             # (slots,): read from the ring instead
-            self.slot_in_ring = (slots >= ring_from) & (slots < ring_to)
+            self.slot_in_ring = in_ring(torch.arange(self.slots, device=self.device),
+                                        ring_from, ring_to)
             last, rows = ring_to - 1, torch.arange(self.rows, device=self.device)
             self.ring_tokens = last - (last - rows) % self.rows  # each row's latest (< 0: none)
             self.ring_held = self.ring_tokens >= ring_from  # (rows,): read from there

@@ -81,7 +81,13 @@ def token_positions(at: Tensor, coded: int, slots: int, rows: int = 0,
     and attention over the codes read."""
     if ring_to is None:
         return torch.where(at < coded, at, at - coded + slots)
-    return torch.where((at >= ring_from) & (at < ring_to), at % rows + slots, at)
+    return torch.where(in_ring(at, ring_from, ring_to), at % rows + slots, at)
+
+
+def in_ring(at: Tensor, ring_from: Tensor, ring_to: Tensor) -> Tensor:
+    """Which of the tokens (or slots) ``at`` a static store's ring holds in place of their
+    codes: ``ring_from <= at < ring_to``."""
+    return (at >= ring_from) & (at < ring_to)
 
 
 @custom_op("lorc::vector_latents", mutates_args=())
