@@ -42,6 +42,12 @@ BUDGET_FIELDS = ("cache_fraction", "bits_per_value", "max_ppl_increase")  # one 
 # allocation (``search.retrieval_probe``); chosen on multikey prompts of one seed, judged on
 # others (docs/results.md)
 RETRIEVAL_WEIGHT = 16.0
+# vector codes: the retrieval answers' sensitivities (``search.answer_sensitivity``) added to
+# the channels' weights at this many times the text's total, or at a half or a quarter of it,
+# the largest within ``schemes.vector.RETRIEVAL_COST``: on the default model's 1.92-bit plans
+# of five calibration seeds, ×1 / ×2 / ×4 kept 64% / 78% / 80% of the full cache's held-out
+# vartrack answers at 8k against 52% (docs/results.md)
+ANSWER_WEIGHT = 4.0
 MAX_PPL_INCREASE = 10.0  # a target above ×11 perplexity is a typo, not a quality target
 # the calibration text sampled from the model itself (``calibration.self_generated_windows``)
 SELF_TEXT = "self"
@@ -238,6 +244,15 @@ class PlanOptions:
         ">= 1, 1: no layer favoured and no probe run",
         lambda x: None if _number(x) and x >= 1
         else f"retrieval_weight must be a number >= 1, got {x!r}", float)
+    answer_weight: float = option(
+        ANSWER_WEIGHT, "vector codes: the answers of retrieval prompts (multikey prompts of the "
+        "planner's own, their loss's sensitivity to each latent channel) weigh in the bit "
+        "allocation beside the text's, at this many times the text's total, else at half or "
+        "a quarter of it, the largest whose plan costs at most 0.02 nats of held-out loss more "
+        "than the text's weights alone with no layer favoured for retrieval (the cap the "
+        "favoured layers share), or not at all; >= 0, 0: not measured",
+        lambda x: None if _number(x) and x >= 0
+        else f"answer_weight must be a number >= 0, got {x!r}", float)
     codebook_tails: bool = option(
         False, "vector codes: the 4- to 6-bit scalar tables keep levels past the range of the "
         "calibration latents, so keys that drift past it in a long, repetitive context are "

@@ -202,6 +202,7 @@ def _options(data: dict) -> PlanOptions:
     if data.get("bits_per_value") is not None:  # up to version 5 both were always set
         data["cache_fraction"] = None
     data.setdefault("retrieval_weight", 1.0)  # plans before it weighed no layer up
+    data.setdefault("answer_weight", 0.0)  # plans before it weighed no channel by answers
     data.setdefault("drift_chunk", 0)  # plans before it coded no drift
     data.setdefault("recent_divisor", 0)  # plans before it kept no recent window
     return PlanOptions(**data, calibration=CalibrationOptions(**calibration))

@@ -23,6 +23,15 @@ multikey answers most) weigh ``PlanOptions.retrieval_weight`` (16) times more, a
 and share chosen, or its square root where that costs over ``RETRIEVAL_COST`` of held-out
 loss: coded like the rest they lose keys the full cache finds, at a cost the selection above
 would never pay (docs/results.md, "The planner finds them").
+
+Last, the same plan is made again with the answers of retrieval prompts weighing beside the
+text (``search.answer_sensitivity``: what the answers' loss minds each channel's error) at
+``PlanOptions.answer_weight`` (4) times the text's total, else half or a quarter of it; the
+first whose plan costs at most ``RETRIEVAL_COST`` more held-out loss than the text's weights
+alone with no layer favoured is the candidate (one cap for both retrieval levers: each under
+its own, they cost 0.03 nats together on the default model at 2.56 bits and decoded news
+with 61% more KL, retrieving no more). The text's loss spreads over every token and hardly sees the few keys a long
+context's answer is read from (docs/results.md, "The answers' own sensitivities").
 """
 from __future__ import annotations
 
@@ -44,8 +53,10 @@ from lorc_fx.plan.schedules import UnreachableFraction
 from lorc_fx.plan.scheme import Capabilities, Scheme, rank_table, register
 from lorc_fx.plan.sensitivity import ProjectionMoments, Side, calibration_with_gradients
 from lorc_fx.plan.vector_allocation import code_budget, vector_bits
+from lorc_fx.search.answer_sensitivity import answer_length, with_answers
 from lorc_fx.search.candidates import plain_fits
-from lorc_fx.search.codebooks import TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides
+from lorc_fx.search.codebooks import (TUPLE_DIMS, WIDTHS, books_and_sensitivities, coded_sides,
+                                      kept_answer_sensitivities)
 from lorc_fx.search.context import Candidate, SearchContext, calibrated_basis
 from lorc_fx.search.one_prefill import reads_side_by_side
 from lorc_fx.search.retrieval_probe import kept_layer_damage, probe_length, retrieval_layers
@@ -102,7 +113,9 @@ class Vector(Scheme):
     def how(self, plan: Plan) -> str:
         o = plan.options
         tails = ", codebook tails" if o.codebook_tails else ""
-        return f"vector codes; basis={o.basis}, rope={o.rope}{tails}"
+        answers = (f", retrieval answers weighed ×{o.answer_weight:g}" if o.answer_weight
+                   else "")
+        return f"vector codes; basis={o.basis}, rope={o.rope}{tails}{answers}"
 
     def limits(self) -> str:
         """Compiled decode reads the codes but is slower than the full cache's (measured in
@@ -121,18 +134,22 @@ class Vector(Scheme):
         return f"vector codes ({widths}-bit channels of {full}), {plan.options.rope}"
 
     def describe(self, plan: Plan) -> list[str]:
+        answers = plan.options.answer_weight
         channels, table_bytes = _channels_per_width(plan)
         full = sum(l.k_full * l.k_compressible + l.v_full * l.v_compressible
                    for l in plan.layers if not l.skipped)  # the channels codes could keep
         widths = ", ".join(f"{channels[b]} at {b:g}" for b in sorted(channels, reverse=True))
         return rank_table(plan) + [
-            f"vector codes: each latent channel at the bits a token its energy and measured "
+            f"vector codes: each latent channel at the bits a token its weight and measured "
             f"coding error buy, or dropped ({sum(channels.values())} of {full} channels kept: "
             f"{widths} bits), in tuples of channels coded as indices into codebooks fitted on "
             f"calibration latents (no scales"
             + ("; the 4- to 6-bit tables with levels past the calibration latents' range"
                if plan.options.codebook_tails else "")
-            + f"); the codebooks take {table_bytes / 2**20:.1f} MiB, "
+            + ")"
+            + (f"; a channel's weight adds what the answers of retrieval prompts mind its "
+               f"error, at ×{answers:g} the text's total" if answers else "")
+            + f"; the codebooks take {table_bytes / 2**20:.1f} MiB, "
             "the model's like its weights, not counted in bits per value; each sequence's first "
             "token is kept in full precision (the attention sink), counted as if sequences "
             "were 512 tokens; "
@@ -226,12 +243,13 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
                      inputs: list[LayerInput], note: str,
                      projections: ProjectionMoments | None = None) -> tuple[Plan, float]:
     """The vector plan at ``options``' budget (``options.rope`` resolved to one mode, its
-    basis to the one ``inputs`` carry), its channels weighed by the loss's sensitivities where
-    measurable (else the spectra's energies), with the least held-out loss over the keys'
-    share of ``KEY_SHARES``, then the layers retrieval leans on favoured at that share
-    (:func:`retrieval_favoured`), and its loss (``projections``: what a first calibration
-    measured for the sensitivities,
-    :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
+    basis to the one ``inputs`` carry) and its held-out loss: its channels weighed by the
+    loss's sensitivities where measurable (else the spectra's energies), with the least
+    held-out loss over the keys' share of ``KEY_SHARES``, then the layers retrieval leans on
+    favoured at that share (:func:`retrieval_favoured`); then the same with the retrieval
+    answers' sensitivities added (:func:`weigh_answers`) where they cost at most
+    ``RETRIEVAL_COST`` (``projections``: what a first calibration measured for the
+    sensitivities, :func:`~lorc_fx.plan.sensitivity.calibration_with_gradients`)."""
     inputs = without_sliding_latents(inputs)
     full = plan_layers(inputs, replace(options, cache_fraction=1.0, bits_per_value=None,
                                        latent_bits=16, key_fraction=None))
@@ -240,27 +258,90 @@ def vector_candidate(model: nn.Module, blocks: list[AttentionBlock], options: Pl
     windows = calibration_windows(tokenizer, calibration, model)
     books, rho, sensitivities = books_and_sensitivities(model, blocks, full, windows,
                                                         projections)
-    measured: dict[float, tuple[float, Plan]] = {}
-    weighed = "the spectra's energies" if sensitivities is None else "the loss's sensitivities"
 
-    def loss_at(share: float) -> float:
-        plan = vector_plan(full, inputs, options, books, rho, share, sensitivities)
-        loss = held_out_loss(model, blocks, plan)
-        log.info("vector codes, channels weighed by %s, keys' share %.2f: held-out loss %.4f",
-                 weighed, share, loss)
-        measured[share] = loss, plan
-        return loss
+    def planned(weights: dict[Side, torch.Tensor] | None, at: PlanOptions, weighed: str
+                ) -> tuple[Plan, float, float]:
+        """The plan of ``at`` with ``weights`` (the keys' share chosen, retrieval's layers
+        favoured), its held-out loss, and the loss before any layer was favoured."""
+        measured: dict[float, tuple[float, Plan]] = {}
 
-    share = least_over_shares(loss_at)
-    loss, plan = measured[share]
+        def loss_at(share: float) -> float:
+            plan = vector_plan(full, inputs, at, books, rho, share, weights)
+            loss = held_out_loss(model, blocks, plan)
+            log.info("vector codes, channels weighed by %s, keys' share %.2f: held-out loss "
+                     "%.4f", weighed, share, loss)
+            measured[share] = loss, plan
+            return loss
 
-    def favouring(weight: float, favoured: dict[int, str]) -> tuple[Plan, float]:
-        at = replace(options, retrieval_weight=weight)
-        plan = vector_plan(full, inputs, at, books, rho, share, sensitivities, favoured)
-        return plan, held_out_loss(model, blocks, plan)
+        share = least_over_shares(loss_at)
+        loss, plan = measured[share]
 
-    plan, loss = favour_retrieval(model, tokenizer, blocks, options, plan, loss, favouring)
+        def favouring(weight: float, favoured: dict[int, str]) -> tuple[Plan, float]:
+            plan = vector_plan(full, inputs, replace(at, retrieval_weight=weight), books, rho,
+                               share, weights, favoured)
+            return plan, held_out_loss(model, blocks, plan)
+
+        return *favour_retrieval(model, tokenizer, blocks, at, plan, loss, favouring), loss
+
+    plan, loss, unfavoured = planned(sensitivities, replace(options, answer_weight=0.0),
+                                     "the spectra's energies" if sensitivities is None
+                                     else "the loss's sensitivities")
+    answers = retrieval_answers(model, tokenizer, blocks, full, windows, options,
+                                sensitivities)
+    if answers is not None:
+        plan, loss = weigh_answers(options, plan, loss, unfavoured, lambda weight: planned(
+            with_answers(sensitivities, answers, weight), replace(options, answer_weight=weight),
+            f"the loss's and ×{weight:g} the answers' sensitivities")[:2])
     plan.basis_note = note
+    return plan, loss
+
+
+def retrieval_answers(model: nn.Module, tokenizer, blocks: list[AttentionBlock], full: Plan,
+                      windows: torch.Tensor, options: PlanOptions,
+                      sensitivities: dict[Side, torch.Tensor] | None
+                      ) -> dict[Side, torch.Tensor] | None:
+    """The retrieval answers' sensitivities to the channels of ``full``
+    (``search.answer_sensitivity``, kept on disk); none where ``options.answer_weight`` is 0,
+    or where the text's could not be measured, the model has no tokenizer or too short a
+    context for the prompts (said)."""
+    if options.answer_weight == 0:
+        return None
+    length = answer_length(model)
+    if sensitivities is None:
+        lacks = "latents that are not linear in their projections (keys cached after RoPE)"
+    elif tokenizer is None:
+        lacks = "no tokenizer"
+    elif length is None:
+        lacks = "too short a context for the answers' prompts"
+    else:
+        return kept_answer_sensitivities(model, tokenizer, blocks, full, windows, length)
+    log.warning("lorc_fx: vector codes weigh no channel by retrieval answers: the model has %s",
+                lacks)
+    return None
+
+
+def weigh_answers(options: PlanOptions, plan: Plan, loss: float, unfavoured: float,
+                  weighing: Callable[[float], tuple[Plan, float]]) -> tuple[Plan, float]:
+    """``plan`` (of held-out ``loss``, the channels weighed by the text alone; ``unfavoured``:
+    its loss before any layer was favoured for retrieval) or the plan with the retrieval
+    answers' sensitivities added (``weighing(weight)``: the plan and its loss) at
+    ``options.answer_weight`` times the text's total, else half or a quarter of it, whichever
+    first costs at most ``RETRIEVAL_COST`` nats of held-out loss over ``unfavoured``: the
+    favoured layers and the answers' weights share one cap, so that together they cost no
+    more than either may; ``plan`` (its ``answer_weight`` 0), said, where all cost more. Not
+    chosen by the loss: it would never pay what retrieval needs."""
+    tried = [options.answer_weight / 2 ** i for i in range(3)]
+    for weight in tried:
+        weighed, weighed_loss = weighing(weight)
+        cost = weighed_loss - unfavoured
+        log.info("vector codes: channels also weighed by the retrieval answers' sensitivities "
+                 "at ×%g the text's: held-out loss %.4f (%+.4f over the text's weights, no "
+                 "layer favoured)", weight, weighed_loss, cost)
+        if cost <= RETRIEVAL_COST:
+            return weighed, weighed_loss
+    log.warning("lorc_fx: vector codes weigh no channel by retrieval answers: at ×%s the "
+                "text's weights they cost more than %g nats of held-out loss",
+                " / ×".join(f"{w:g}" for w in tried), RETRIEVAL_COST)
     return plan, loss
 
 

@@ -30,6 +30,7 @@ from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.sensitivity import (ProjectionMoments, Side, sensitivities,
                                       sensitivities_and_latents)
 
+from . import answer_sensitivity as answers
 from .windows import through_cache
 
 WIDTHS = (0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6)  # bits a channel a book is fitted at
@@ -109,18 +110,19 @@ def _bases(full: Plan) -> dict[str, torch.Tensor]:
             for layer, side in coded_sides(full)}
 
 
-def _books_file(model: nn.Module, full: Plan, what: str = "vector"):
+def _books_file(model: nn.Module, full: Plan, what: str = "vector", key: dict | None = None):
     """Where the books of ``model`` fitted on the latents of ``full`` are cached (``what``:
-    ``"vector"``; ``"sensitivity"``, the loss's sensitivities beside them): keyed by the
-    model and the calibration text (the bases they were fitted under are kept in the file and
-    compared on reading: their bytes vary with the thread count; books with tail levels apart
-    from those without, the sensitivities shared)."""
+    ``"vector"``; ``"sensitivity"`` and ``"answers"``, the loss's and the retrieval answers'
+    sensitivities beside them, the latter keyed by ``key`` too): keyed by the model and the
+    calibration text (the bases they were fitted under are kept in the file and compared on
+    reading: their bytes vary with the thread count; books with tail levels apart from those
+    without, the sensitivities shared)."""
     tails = {"tails": True} if what == "vector" and full.options.codebook_tails else {}
     return calibration_file(f"{what}-", {
         "format": _FORMAT, "model": model_fingerprint(model),
         "calibration": repr(full.options.calibration), **sampling_key(full.options.calibration),
         "basis": full.options.basis, "rope": full.options.rope, "widths": WIDTHS,
-        "tuple_dims": TUPLE_DIMS, "iters": FIT_ITERATIONS, **tails})
+        "tuple_dims": TUPLE_DIMS, "iters": FIT_ITERATIONS, **tails, **(key or {})})
 
 
 def _fitted_under(data: dict, bases: dict[str, torch.Tensor]) -> bool:
@@ -145,11 +147,11 @@ def _read_books(data: dict, full: Plan) -> tuple[Books, dict[Side, dict[float, t
     return books, rho
 
 
-def _cached(model: nn.Module, full: Plan, what: str) -> dict | None:
+def _cached(model: nn.Module, full: Plan, what: str, key: dict | None = None) -> dict | None:
     """The ``what`` file of ``full`` (:func:`_books_file`) where it was written under the bases
     of ``full`` (``BASES_ATOL``); else ``None``, with a warning where one was written under
     other bases."""
-    path = _books_file(model, full, what)
+    path = _books_file(model, full, what, key)
     if not path.is_file():
         return None
     data = torch.load(path, weights_only=True)
@@ -222,3 +224,25 @@ def books_and_sensitivities(model: nn.Module, blocks: list[AttentionBlock], full
                             for b, err in by_width.items()},
                  "bases": _bases(full)}, path)
     return books, rho, weights
+
+
+def kept_answer_sensitivities(model: nn.Module, tokenizer, blocks: list[AttentionBlock],
+                              full: Plan, windows: torch.Tensor, length: int
+                              ) -> dict[Side, torch.Tensor]:
+    """The retrieval answers' sensitivities to every coded side of ``full`` at prompts of
+    ``length`` tokens (:func:`~lorc_fx.search.answer_sensitivity.answer_sensitivities`; the
+    sides' latents linear in their projections), read from the disk cache where they were
+    measured before under the same bases, else measured and written there."""
+    sides = coded_sides(full)
+    key = {"answers": [answers.TASK, answers.SEED, answers.PROMPTS, length,
+                       answers.POWER_WINDOWS, full.options.recent_divisor]}
+    data = _cached(model, full, "answers", key)
+    if data is not None:
+        return {(l, s): data["sensitivities"][f"{l}/{s}"] for l, s in sides}
+    measured = answers.answer_sensitivities(model, tokenizer, blocks, full, sides, windows,
+                                            length, full.options.recent_divisor)
+    path = _books_file(model, full, "answers", key)
+    save_atomic({"sensitivities": {f"{l}/{s}": w for (l, s), w in measured.items()},
+                 "bases": _bases(full)}, path)
+    log.info("vector codes: the retrieval answers' sensitivities kept in %s", path)
+    return measured

@@ -63,6 +63,7 @@ def test_plan_of_a_model_without_attention_raises_a_clear_error():
     (dict(latent_bits="best"), "latent_bits must be one of [16, 8, 4, 'auto'], got 'best'"),
     (dict(latent_bits=4, latent_group=3), "latent_group must be a positive integer"),
     (dict(bits_per_value=2, retrieval_weight=0.5), "retrieval_weight must be a number >= 1"),
+    (dict(bits_per_value=2, answer_weight=-1), "answer_weight must be a number >= 0, got -1"),
 ])
 def test_bad_options_fail_before_the_model_is_traced(options, message):
     class Untraceable(nn.Module):  # tracing it would fail with another message

@@ -18,7 +18,8 @@ def _fake_passes(monkeypatch, tmp_path, measurable=True):
     gen = torch.Generator().manual_seed(0)
     calls = {"both": [], "latents": [], "fits": []}
     monkeypatch.setattr(codebooks, "_books_file",
-                        lambda model, plan, what="vector": tmp_path / f"{what}-x.pt")
+                        lambda model, plan, what="vector", key=None:
+                        tmp_path / f"{what}-x.pt")
 
     def latents(sides):
         return {side: torch.randn(300, 16, generator=gen) for side in sides}
@@ -175,3 +176,33 @@ def test_retrieval_is_favoured_at_the_first_weight_within_its_cost(monkeypatch, 
     assert (chosen.rotary_log, loss, tried) == (plan.rotary_log, 2.5, [16, 4])
     assert chosen.options.retrieval_weight == 1
     assert any("favour no layer for retrieval" in r.getMessage() for r in caplog.records)
+
+
+def test_answers_weigh_at_the_largest_weight_within_the_retrieval_cost(caplog):
+    """×4, else ×2, else ×1 the text's total, whichever first costs at most
+    ``RETRIEVAL_COST`` of held-out loss over the text's weights alone before any layer was
+    favoured (the two levers share one cap); that plan itself, said, where all cost more."""
+    from lorc_fx.schemes import vector
+
+    plan = plan_layers(random_layers(0, n_layers=2), PlanOptions(1.0, "uniform", "reconstruct"))
+    options = PlanOptions(bits_per_value=2.0)
+    assert options.answer_weight == 4
+
+    def weigh(costs: dict[float, float], unfavoured: float = 2.5):
+        tried = []
+
+        def weighing(weight):
+            tried.append(weight)
+            return replace(plan, rotary_log=int(weight)), 2.5 + costs[weight]
+        chosen, loss = vector.weigh_answers(options, plan, 2.51, unfavoured, weighing)
+        return chosen.rotary_log, loss, tried
+
+    assert weigh({4: 0.019}) == (4, 2.519, [4])
+    assert weigh({4: 0.03, 2: -0.01}) == (2, 2.49, [4, 2])
+    assert weigh({4: 0.05, 2: 0.021, 1: 0.004}) == (1, 2.504, [4, 2, 1])
+    # the favoured layers' cost counts: ×1's 2.512 is 0.022 over the unfavoured 2.49
+    assert weigh({4: 0.022, 2: 0.021, 1: 0.012}, unfavoured=2.49) == (
+        plan.rotary_log, 2.51, [4, 2, 1])
+    with caplog.at_level(logging.WARNING, logger="lorc_fx"):
+        assert weigh({4: 0.05, 2: 0.04, 1: 0.03}) == (plan.rotary_log, 2.51, [4, 2, 1])
+    assert any("weigh no channel by retrieval answers" in r.getMessage() for r in caplog.records)
