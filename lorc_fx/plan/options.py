@@ -101,6 +101,11 @@ def _at_least(name: str, least: int):
                       else f"{name} must be an integer >= {least}, got {x!r}")
 
 
+def _number_at_least(name: str, least: float):
+    return lambda x: (None if _number(x) and x >= least
+                      else f"{name} must be a number >= {least:g}, got {x!r}")
+
+
 def _one_of(what: str, choices: tuple):
     return lambda x: None if x in choices else f"unknown {what} {x!r}; choose from {list(choices)}"
 
@@ -242,8 +247,7 @@ class PlanOptions:
         "answers of multikey prompts most, measured by the planner), or its square root "
         "where that costs more than 0.02 nats of held-out loss, or none where both do; "
         ">= 1, 1: no layer favoured and no probe run",
-        lambda x: None if _number(x) and x >= 1
-        else f"retrieval_weight must be a number >= 1, got {x!r}", float)
+        _number_at_least("retrieval_weight", 1), float)
     answer_weight: float = option(
         ANSWER_WEIGHT, "vector codes: the answers of retrieval prompts (multikey prompts of the "
         "planner's own, their loss's sensitivity to each latent channel) weigh in the bit "
@@ -251,8 +255,7 @@ class PlanOptions:
         "a quarter of it, the largest whose plan costs at most 0.02 nats of held-out loss more "
         "than the text's weights alone with no layer favoured for retrieval (the cap the "
         "favoured layers share), or not at all; >= 0, 0: not measured",
-        lambda x: None if _number(x) and x >= 0
-        else f"answer_weight must be a number >= 0, got {x!r}", float)
+        _number_at_least("answer_weight", 0), float)
     codebook_tails: bool = option(
         False, "vector codes: the 4- to 6-bit scalar tables keep levels past the range of the "
         "calibration latents, so keys that drift past it in a long, repetitive context are "

@@ -70,7 +70,7 @@ def _all_linear(blocks: list[AttentionBlock], full: Plan, sides: list[Side]) -> 
     return all(_linear_in_projection(block[l], layer[l], s) for l, s in sides)
 
 
-def _rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def projection_rows(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A projection's output ``(batch, n, out)`` at ``rows`` as ``(batch·(n-1), rows)``
     float64, each window's first token left out."""
     return out[:, 1:].index_select(-1, rows).reshape(-1, len(rows)).double()
@@ -127,7 +127,8 @@ class ProjectionRecorder:
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                           batch[:, 1:].reshape(-1), reduction="sum").backward()
         for side, (name, rows) in self.reads.items():
-            y, g = _rows(self.outputs[name], rows), _rows(self.shifts[name].grad, rows)
+            y = projection_rows(self.outputs[name], rows)
+            g = projection_rows(self.shifts[name].grad, rows)
             self.grams[side] = self.grams[side] + (y.T @ y).cpu()
             self.gradients[side] = self.gradients[side] + (g.T @ g).cpu()
             if self.keep_rows:

@@ -30,8 +30,9 @@ text (``search.answer_sensitivity``: what the answers' loss minds each channel's
 first whose plan costs at most ``RETRIEVAL_COST`` more held-out loss than the text's weights
 alone with no layer favoured is the candidate (one cap for both retrieval levers: each under
 its own, they cost 0.03 nats together on the default model at 2.56 bits and decoded news
-with 61% more KL, retrieving no more). The text's loss spreads over every token and hardly sees the few keys a long
-context's answer is read from (docs/results.md, "The answers' own sensitivities").
+with 61% more KL, retrieving no more). The text's loss spreads over every token and hardly
+sees the few keys a long context's answer is read from (docs/results.md, "The answers' own
+sensitivities").
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.codes.vector import BLOCK
 from lorc_fx.data.retrieval_tasks import NEW_TOKENS, make_samples
 from lorc_fx.plan.planner import Plan
-from lorc_fx.plan.sensitivity import ProjectionRecorder, Side
+from lorc_fx.plan.sensitivity import ProjectionRecorder, Side, projection_rows
 
 TASK = "multikey"
 SEED = "fisher"  # evaluations draw integer seeds, the retrieval probe "planner"
@@ -70,8 +70,7 @@ def channel_power(model: nn.Module, blocks: list[AttentionBlock], full: Plan, si
         for batch in windows[:POWER_WINDOWS].split(2):
             model(batch.to(device), use_cache=False)
             for side, (name, rows) in recorder.reads.items():
-                y = recorder.outputs[name][:, 1:].index_select(-1, rows)
-                y = y.reshape(-1, len(rows)).double().cpu()
+                y = projection_rows(recorder.outputs[name], rows).cpu()
                 power[side] = power[side] + ((y @ basis[side].T) ** 2).sum(0)
             tokens += batch[:, 1:].numel()
             recorder.outputs.clear()

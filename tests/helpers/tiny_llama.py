@@ -10,6 +10,20 @@ WORDS = [f"w{i}" for i in range(120)]
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 16, 64
 
 
+def own_words(make_samples):
+    """``make_samples`` (``data.retrieval_tasks``) with each prompt's ids drawn from the tiny
+    tokenizer's own words and a four-word answer: it knows none of the prompts' words (every
+    token would be <unk>, whose keys differ by position alone)."""
+    from dataclasses import replace
+
+    def words(tokenizer, task, length, trials, seed):
+        rng = random.Random(0)
+        return [replace(s, input_ids=[rng.randrange(3, len(tokenizer)) for _ in s.input_ids],
+                        answer="w1 w2 w3 w4")
+                for s in make_samples(tokenizer, task, length, trials, seed)]
+    return words
+
+
 def write_text(path, paragraphs=240, words=30, seed=0):
     rng = random.Random(seed)
     # a few frequent words make the token statistics (and so the inputs) correlated

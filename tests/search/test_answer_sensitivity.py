@@ -2,8 +2,6 @@
 positions, carried into the latent, times the channels' power; kept on disk; mixed into the
 text's weights at a share of their total, keys apart from values."""
 import logging
-import random
-from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from lorc_fx.plan.calibration import owner_module
 from lorc_fx.plan.options import PlanOptions
 from lorc_fx.search import answer_sensitivity as answers
 from lorc_fx.search import codebooks
+from helpers.tiny_llama import own_words
 
 
 @pytest.fixture
@@ -21,15 +20,7 @@ def toy(loaded, monkeypatch):
     and two multikey prompts of the tokenizer's own words (it knows none of the prompts')."""
     model, tok, blocks, _ = loaded
     monkeypatch.setattr(answers, "PROMPTS", 2)
-    make = answers.make_samples
-
-    def words(tokenizer, task, length, trials, seed):
-        rng = random.Random(0)
-        return [replace(s, input_ids=[rng.randrange(3, len(tokenizer)) for _ in s.input_ids],
-                        answer="w1 w2 w3 w4")
-                for s in make(tokenizer, task, length, trials, seed)]
-
-    monkeypatch.setattr(answers, "make_samples", words)
+    monkeypatch.setattr(answers, "make_samples", own_words(answers.make_samples))
     plan = lorc_fx.compress(model, 0.5, rope="reconstruct", basis="weight", schedule="uniform",
                             progress=False, blocks=blocks).plan
     return model, tok, blocks, plan

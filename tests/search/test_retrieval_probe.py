@@ -1,7 +1,6 @@
 """The retrieval probe codes one layer at a time and measures how far that moves the answers:
 coarser codes move them further, layers without codes are not probed, and the layers it
 returns are the outliers."""
-import random
 from dataclasses import replace
 
 import pytest
@@ -10,6 +9,7 @@ import lorc_fx
 from lorc_fx.cache.latent_cache import codecs
 from lorc_fx.codes.integer import QuantSpec
 from lorc_fx.search import retrieval_probe
+from helpers.tiny_llama import own_words
 
 
 def _at_bits(plan, bits: int):
@@ -32,17 +32,8 @@ def int4_plan(loaded):
 def test_coarser_codes_move_the_answers_further_layer_by_layer(loaded, int4_plan,
                                                                monkeypatch):
     monkeypatch.setattr(retrieval_probe, "PROMPTS", 3)
-    # the tiny tokenizer knows none of the prompt's words (every token would be <unk>, whose
-    # keys differ by position alone): prompts of its own words, at the probe's length
-    make = retrieval_probe.make_samples
-
-    def words(tokenizer, task, length, trials, seed):
-        rng = random.Random(0)
-        return [replace(s, input_ids=[rng.randrange(3, len(tokenizer)) for _ in s.input_ids],
-                        answer="w1 w2 w3 w4")
-                for s in make(tokenizer, task, length, trials, seed)]
-
-    monkeypatch.setattr(retrieval_probe, "make_samples", words)
+    # prompts of the tiny tokenizer's own words, at the probe's length
+    monkeypatch.setattr(retrieval_probe, "make_samples", own_words(retrieval_probe.make_samples))
     model, tok, blocks, _ = loaded
     length = retrieval_probe.probe_length(model)
     coarse = retrieval_probe.layer_damage(model, tok, blocks, _at_bits(int4_plan, 2), length)
