@@ -28,10 +28,9 @@ def add_prompt_args(ap: argparse.ArgumentParser, plan: str, task: str, length: s
     ap.add_argument("--out", default=out)
 
 
-def planned_prompts(args: argparse.Namespace):
-    """``(length, model, tokenizer, plan, samples)``: ``--length`` in tokens, the default
-    model with ``--plan`` installed, its tokenizer, the plan, and the prompts of ``--task
-    --trials --seed`` at that length."""
+def prompts_for(args: argparse.Namespace):
+    """``(length, model, tokenizer, samples)``: ``--length`` in tokens, the default model as
+    it came, its tokenizer and the prompts of ``--task --trials --seed`` at that length."""
     import lorc_fx
     from lorc_fx.data.models import load_tokenizer
     from lorc_fx.data.retrieval_tasks import make_samples
@@ -39,8 +38,17 @@ def planned_prompts(args: argparse.Namespace):
 
     (length,) = parse_lengths(args.length)
     model, tok = lorc_fx.load_model("default"), load_tokenizer()
+    return length, model, tok, make_samples(tok, args.task, length, args.trials, args.seed)
+
+
+def planned_prompts(args: argparse.Namespace):
+    """``(length, model, tokenizer, plan, samples)``: :func:`prompts_for`'s, the model with
+    ``--plan`` installed and the plan."""
+    import lorc_fx
+
+    length, model, tok, samples = prompts_for(args)
     plan = lorc_fx.compress(model, plan=args.plan).plan
-    return length, model, tok, plan, make_samples(tok, args.task, length, args.trials, args.seed)
+    return length, model, tok, plan, samples
 
 
 def mine(args: argparse.Namespace, count: int) -> list[int]:
@@ -53,11 +61,11 @@ def machine() -> str:
     return f"{platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
 
 
-def save(args: argparse.Namespace, length: int, bits_per_value: float,
+def save(args: argparse.Namespace, length: int, bits_per_value: float | dict[str, float],
          per_prompt: dict[str, dict], count: int) -> dict[str, dict] | None:
     """Write ``OUT.json`` (the settings: the arguments, ``length`` in tokens and the plan's
-    bits per value) with the other shards' prompts folded in; every prompt's figures in
-    prompt order where all ``count`` are in, else None (and says so)."""
+    bits per value, or each labelled plan's) with the other shards' prompts folded in; every
+    prompt's figures in prompt order where all ``count`` are in, else None (and says so)."""
     settings = {"plan": args.plan, "task": args.task, "length": length, "trials": args.trials,
                 "seed": args.seed, "bits_per_value": bits_per_value}
     for other in filter(None, args.merge.split(",")):
