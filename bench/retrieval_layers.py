@@ -46,7 +46,11 @@ def labelled(plans: str) -> dict[str, str] | None:
     """``--plan``'s ``LABEL=PATH`` pairs, comma-separated; None for a single path."""
     if "=" not in plans:
         return None
-    return dict(pair.split("=", 1) for pair in plans.split(","))
+    pairs = plans.split(",")
+    if not all("=" in pair for pair in pairs):
+        raise SystemExit(f"--plan: several plans are LABEL=PATH pairs, comma-separated; got "
+                         f"{plans!r}")
+    return dict(pair.split("=", 1) for pair in pairs)
 
 
 def table(scores: dict[str, list[float]]) -> list[str]:
