@@ -134,6 +134,10 @@ class ProjectionRecorder:
             if self.keep_rows:
                 self.rows[side].append(y.float().cpu())
         self.tokens += batch[:, 1:].numel()
+        self.forget()
+
+    def forget(self) -> None:
+        """Let go of the last forward's outputs and their gradients' leaves."""
         self.outputs.clear()
         self.shifts.clear()
 

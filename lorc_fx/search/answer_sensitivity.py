@@ -24,11 +24,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.cache.layers import PREFILL_TOKENS
 from lorc_fx.codes.vector import BLOCK
-from lorc_fx.data.retrieval_tasks import NEW_TOKENS, make_samples
+from lorc_fx.data.retrieval_tasks import make_samples
 from lorc_fx.plan.planner import Plan
 from lorc_fx.plan.sensitivity import ProjectionRecorder, Side, projection_rows
+
+from .one_prefill import prompt_length
 
 TASK = "multikey"
 SEED = "fisher"  # evaluations draw integer seeds, the retrieval probe "planner"
@@ -38,11 +39,9 @@ POWER_WINDOWS = 8  # calibration windows the channels' power is measured on
 
 
 def answer_length(model: nn.Module) -> int | None:
-    """The prompts' length for ``model``; ``None`` where its context cannot hold one (a
-    prompt of more than ``PREFILL_TOKENS`` tokens and its answer, four times over)."""
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    length = LENGTH if limit is None else min(LENGTH, limit)
-    return length if length > 4 * (PREFILL_TOKENS + NEW_TOKENS) else None
+    """The prompts' length for ``model`` (:func:`~.one_prefill.prompt_length` of
+    ``LENGTH``)."""
+    return prompt_length(model, LENGTH)
 
 
 def coded_positions(n: int, recent_divisor: int) -> slice:
@@ -73,8 +72,7 @@ def channel_power(model: nn.Module, blocks: list[AttentionBlock], full: Plan, si
                 y = projection_rows(recorder.outputs[name], rows).cpu()
                 power[side] = power[side] + ((y @ basis[side].T) ** 2).sum(0)
             tokens += batch[:, 1:].numel()
-            recorder.outputs.clear()
-            recorder.shifts.clear()
+            recorder.forget()
     return {s: p / tokens for s, p in power.items()}
 
 
@@ -101,8 +99,7 @@ def answer_fisher(model: nn.Module, tokenizer, blocks: list[AttentionBlock], ful
             for side, (name, rows) in recorder.reads.items():
                 g = recorder.shifts[name].grad[0, coded].index_select(-1, rows).double().cpu()
                 fisher[side] = fisher[side] + ((g @ rebuild[side].T) ** 2).sum(0)
-            recorder.outputs.clear()
-            recorder.shifts.clear()
+            recorder.forget()
     return {s: f / len(samples) for s, f in fisher.items()}
 
 

@@ -29,9 +29,19 @@ from lorc_fx.analysis.cache_probe import own_cache_class
 from lorc_fx.analysis.records import AttentionBlock
 from lorc_fx.cache import LatentCache, angles_handed
 from lorc_fx.cache.layers import PREFILL_TOKENS
+from lorc_fx.data.retrieval_tasks import NEW_TOKENS
 from lorc_fx.plan.planner import Plan
 
 FULL = "full cache"
+
+
+def prompt_length(model: nn.Module, wanted: int) -> int | None:
+    """Tokens of a retrieval prompt and its answer for ``model``: ``wanted``, or its context
+    limit where shorter; ``None`` where that cannot hold, four times over, a prompt of more
+    than ``PREFILL_TOKENS`` tokens and its answer."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    length = wanted if limit is None else min(wanted, limit)
+    return length if length > 4 * (PREFILL_TOKENS + NEW_TOKENS) else None
 
 
 class _PrefillTee(DynamicCache):

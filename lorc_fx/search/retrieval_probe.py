@@ -31,13 +31,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lorc_fx.analysis.records import AttentionBlock
-from lorc_fx.cache.layers import PREFILL_TOKENS
-from lorc_fx.data.retrieval_tasks import NEW_TOKENS, make_samples
+from lorc_fx.data.retrieval_tasks import make_samples
 from lorc_fx.plan.calibration import calibration_file, save_atomic, write_json
 from lorc_fx.plan.plan_file import plan_digest
 from lorc_fx.plan.planner import Plan
 
-from .one_prefill import FULL, answer_logprobs
+from .one_prefill import FULL, answer_logprobs, prompt_length
 
 TASK = "multikey"
 SEED = "planner"  # evaluations draw integer seeds: the probe's prompts are none of theirs
@@ -64,11 +63,9 @@ def one_layer_coded(plan: Plan) -> dict[str, Plan]:
 
 
 def probe_length(model: nn.Module) -> int | None:
-    """The probe's prompt length for ``model``; ``None`` where its context cannot hold one
-    (a prompt of more than ``PREFILL_TOKENS`` tokens and its answer)."""
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    length = LENGTH if limit is None else min(LENGTH, limit)
-    return length if length > 4 * (PREFILL_TOKENS + NEW_TOKENS) else None
+    """The probe's prompt length for ``model`` (:func:`~.one_prefill.prompt_length` of
+    ``LENGTH``)."""
+    return prompt_length(model, LENGTH)
 
 
 def layer_damage(model: nn.Module, tokenizer, blocks: list[AttentionBlock], plan: Plan,
