@@ -5,7 +5,7 @@ project's plans (``compress(model, bits_per_value=B)``) beside transformers' ``Q
     OMP_NUM_THREADS=1 python bench/retrieval.py [--task passkey] [--lengths 1k,2k,4k,8k]
         [--trials 10] [--seed 0] [--haystack noise] [--budgets 8.5,4.5,3,2.56,1.92]
         [--plans 2.56=PLAN.safetensors,LABEL=PLAN.safetensors]
-        [--quanto 4,2] [--one-prefill [--shard K/N] [--merge A.json,...]]
+        [--quanto 4,2] [--one-prefill [--shard K/N] [--merge A.json,...]] [--prompts I,J,...]
         [--out bench/results/retrieval-cpu]
 
 The prompts are ``lorc_fx.eval.retrieval.make_samples`` (the tasks of ``lorc eval --task``);
@@ -28,6 +28,11 @@ eight steps seconds, so this is what makes 8k affordable. Progress is kept after
 (``OUT.json``'s ``partial``).
 ``--shard K/N`` runs every N-th prompt from the K-th (one process a core, each its own
 ``--out``); a last run with ``--merge`` of the shards' files writes the rows.
+
+``--prompts I,J,...`` reads only those of the ``--trials`` prompts (their indices), e.g. the
+ones any cache answered in an earlier run of all of them, to read more plans at 8k: a row then
+counts the chosen prompts' answers, a lower bound of what every prompt would give, and no
+plot is drawn (its accuracies would not be the task's).
 
 Quanto's cache (``QuantizedCache(backend="quanto")``, its defaults: groups of 64, the newest
 up to 128 tokens unquantized, which after a prompt holds only the generated tokens) is
@@ -87,11 +92,12 @@ def quanto_answers(model, tokenizer, samples, bits: int) -> list[str]:
     return out
 
 
-def _row(method: str, bits: float, length: int, samples, outputs, seconds: float) -> dict:
+def _row(method: str, bits: float, length: int, samples, outputs, seconds: float,
+         indices: list[int]) -> dict:
     return {"method": method, "bits_per_value": bits, "length": length,
             **accuracy(samples, outputs).to_json(), "seconds": seconds,
-            "outputs": [{"depth": s.depth, "answer": s.answer, "output": o}
-                        for s, o in zip(samples, outputs)]}
+            "outputs": [{"prompt": i, "depth": s.depth, "answer": s.answer, "output": o}
+                        for i, s, o in zip(indices, samples, outputs)]}
 
 
 def _cell(row: dict, full: dict | None) -> str:
@@ -108,8 +114,10 @@ def write_table(result: dict, path: Path) -> None:
     lengths = sorted({r["length"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     s = result["settings"]
+    of = (f"{len(s['prompts'])} chosen prompts (`--prompts`) of {s['trials']}"
+          if "prompts" in s else str(s["trials"]))
     lines = [f"# Retrieval: {s['task']}{' (held out)' if s['task'] == HELD_OUT else ''}, "
-             f"correct of {s['trials']} [Wilson 95% interval]", "",
+             f"correct of {of} [Wilson 95% interval]", "",
              f"Default model, greedy, {NEW_TOKENS} new tokens, seed {s['seed']}, "
              f"haystack {s.get('haystack', NOISE_HAYSTACK)}; "
              f"{result['machine']['cpu']}, {result['machine']['cores']} cores (shared), "
@@ -178,13 +186,13 @@ def lorc_methods(budgets: list[float], plans: dict) -> dict:
 
 
 def one_prefill(model, tok, samples: dict, methods: dict, quanto: list[int],
-                result: dict, saved: Path, shard: tuple[int, int]) -> None:
+                result: dict, saved: Path, shard: tuple[int, int], indices: list[int]) -> None:
     """Rows of the full cache, of every one of ``methods``' plans and of quanto at each of
     ``quanto``'s widths, from one prefill a prompt. The outputs so far are kept in
     ``result["partial"][length][method][prompt index]`` after every prompt; ``shard``
-    ``(k, n)``: only the prompts whose index is ``k`` modulo ``n`` (another process's shard
-    merged in with ``--merge``). A length's rows are written once every prompt has its
-    outputs."""
+    ``(k, n)``: only every ``n``-th of ``samples``' prompts from the ``k``-th (another
+    process's shard merged in with ``--merge``); ``indices``: each prompt's index among the
+    task's. A length's rows are written once every prompt has its outputs."""
     installed = {name: installs(model).plan for name, installs in methods.items()}
     peers = {f"quanto int{b}": lambda b=b: quanto_cache(model, b) for b in quanto}
     bits = {"full cache": 16.0, **{n: p.bits_per_value for n, p in installed.items()},
@@ -199,21 +207,22 @@ def one_prefill(model, tok, samples: dict, methods: dict, quanto: list[int],
         for m in bits:
             partial.setdefault(m, {})
         todo = [i for i in range(len(prompts))
-                if i % shard[1] == shard[0] and str(i) not in partial["full cache"]]
+                if i % shard[1] == shard[0] and str(indices[i]) not in partial["full cache"]]
         for i in tqdm(todo, desc=f"{n} tokens"):
             start = time.perf_counter()
             outputs = answers_sharing_prefill(model, tok, prompts[i:i + 1], installed, blocks,
                                               peers)
             for m in bits:
-                partial[m][str(i)] = outputs[m][0]
+                partial[m][str(indices[i])] = outputs[m][0]
             partial["seconds"] += time.perf_counter() - start
             saved.write_text(json.dumps(result, indent=1))
         if len(partial["full cache"]) < len(prompts):
             continue  # other shards' prompts to come
         for m, b in bits.items():
             if (m, n) not in done:
-                outputs = [partial[m][str(i)] for i in range(len(prompts))]
-                result["rows"].append(_row(m, b, n, prompts, outputs, partial["seconds"]))
+                outputs = [partial[m][str(i)] for i in indices]
+                result["rows"].append(
+                    _row(m, b, n, prompts, outputs, partial["seconds"], indices))
                 row = result["rows"][-1]
                 print(f"{m:>16} {n:>6} tokens: {Accuracy(row['correct'], row['trials'])}",
                       flush=True)
@@ -253,8 +262,15 @@ def main() -> None:
                     "index is K modulo N (N processes, one each; then --merge)")
     ap.add_argument("--merge", default="", help="with --one-prefill: other shards' OUT.json "
                     "files, comma-separated, whose outputs count as this run's")
+    ap.add_argument("--prompts", default="", help="I,J,...: only these of the --trials "
+                    "prompts, by index (their counts: lower bounds of all prompts'; no plot)")
     ap.add_argument("--out", default="bench/results/retrieval-cpu")
     args = ap.parse_args()
+    chosen = [int(i) for i in args.prompts.split(",") if i]
+    if any(not 0 <= i < args.trials for i in chosen) or len(set(chosen)) < len(chosen):
+        ap.error(f"--prompts: distinct indices of the {args.trials} prompts (0-{args.trials - 1}), "
+                 f"not {args.prompts}")
+    indices = chosen or list(range(args.trials))
     lengths = parse_lengths(args.lengths)
     budgets = [float(b) for b in args.budgets.split(",") if b]
     quanto = [int(b) for b in args.quanto.split(",") if b]
@@ -264,7 +280,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"task": args.task, "trials": args.trials, "seed": args.seed,
                 **({"haystack": args.haystack} if args.haystack != NOISE_HAYSTACK else {}),
-                **({"one_prefill": True} if args.one_prefill else {})}
+                **({"one_prefill": True} if args.one_prefill else {}),
+                **({"prompts": chosen} if chosen else {})}
     saved = Path(f"{out}.json")
     result = json.loads(saved.read_text()) if saved.exists() else {}
     if result.get("settings") != settings:
@@ -275,8 +292,10 @@ def main() -> None:
     done = {(r["method"], r["length"]) for r in result["rows"]}
 
     model, tok = lorc_fx.load_model("default"), lorc_fx.load_tokenizer("default")
-    samples = {n: make_samples(tok, args.task, n, args.trials, args.seed, haystack=args.haystack)
-               for n in lengths}
+    samples = {}
+    for n in lengths:
+        every = make_samples(tok, args.task, n, args.trials, args.seed, haystack=args.haystack)
+        samples[n] = [every[i] for i in indices]
 
     def run(method: str, bits: float, answer) -> None:
         for n in lengths:
@@ -284,7 +303,8 @@ def main() -> None:
                 continue
             start = time.perf_counter()
             outputs = answer(samples[n])
-            row = _row(method, bits, n, samples[n], outputs, time.perf_counter() - start)
+            row = _row(method, bits, n, samples[n], outputs, time.perf_counter() - start,
+                       indices)
             result["rows"].append(row)
             saved.write_text(json.dumps(result, indent=1))
             print(f"{method:>16} {n:>6} tokens: {Accuracy(row['correct'], row['trials'])}",
@@ -293,7 +313,7 @@ def main() -> None:
     if args.one_prefill:
         merge_partial(result, [Path(f) for f in args.merge.split(",") if f], lengths)
         shard = tuple(int(k) for k in args.shard.split("/"))
-        one_prefill(model, tok, samples, methods, quanto, result, saved, shard)
+        one_prefill(model, tok, samples, methods, quanto, result, saved, shard, indices)
     else:
         run("full cache", 16.0, lambda s: answers(model, tok, s, compressed=False))
     for name, installs in methods.items():
@@ -305,8 +325,9 @@ def main() -> None:
         run(f"quanto int{bits}", quanto_bits(bits),
             lambda s, bits=bits: quanto_answers(model, tok, s, bits))
     write_table(result, Path(f"{out}.md"))
-    print(f"wrote {out}.json, {out}.md" + (f", {out}.png" if plot(result, Path(f"{out}.png"))
-                                            else " (no plot: matplotlib is not installed)"))
+    drawn = not chosen and plot(result, Path(f"{out}.png"))
+    print(f"wrote {out}.json, {out}.md" + (f", {out}.png" if drawn else " (no plot: "
+          + ("--prompts chose the prompts)" if chosen else "matplotlib is not installed)")))
 
 
 if __name__ == "__main__":

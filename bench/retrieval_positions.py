@@ -19,7 +19,7 @@ tokens, written after the prompt, are read exact in every mode but "coded". The 
 the losses each mode gives back, and lists each loss's first failing token's margins.
 
 Used to decide where a plan's retrieval losses sit before building a fix for them
-(docs/results.md: vartrack's first digit at 8k, multikey at 4k). Seed 11 by default: no
+(docs/retrieval.md: vartrack's first digit at 8k, multikey at 4k). Seed 11 by default: no
 evaluation's (``bench/retrieval.py`` reports seeds 0-3) nor the planner probe's.
 ``--shard K/N`` runs every N-th prompt from the K-th (one process a core, each its own
 ``--out``); ``--merge`` of the shards' JSON files writes the table.

@@ -40,19 +40,19 @@ DEFAULT_FRACTION = 0.6  # the budget where none is given
 BUDGET_FIELDS = ("cache_fraction", "bits_per_value", "max_ppl_increase")  # one says the budget
 # vector codes: how much more the channels of the layers retrieval leans on weigh in the bit
 # allocation (``search.retrieval_probe``); chosen on multikey prompts of one seed, judged on
-# others (docs/results.md)
+# others (docs/retrieval.md)
 RETRIEVAL_WEIGHT = 16.0
 # vector codes: the retrieval answers' sensitivities (``search.answer_sensitivity``) added to
 # the channels' weights at this many times the text's total, or at a half or a quarter of it,
 # the largest within ``schemes.vector.RETRIEVAL_COST``: on the default model's 1.92-bit plans
 # of five calibration seeds, ×1 / ×2 / ×4 kept 64% / 78% / 80% of the full cache's held-out
-# vartrack answers at 8k against 52% (docs/results.md)
+# vartrack answers at 8k against 52% (docs/retrieval.md)
 ANSWER_WEIGHT = 4.0
 MAX_PPL_INCREASE = 10.0  # a target above ×11 perplexity is a typo, not a quality target
 # the calibration text sampled from the model itself (``calibration.self_generated_windows``)
 SELF_TEXT = "self"
 # cache positions a vector plan's drift offset covers (``cache.stores.drift``): chunks of 1024
-# found every relay answer at 8k the codes alone lost, at 0.014 bits per value (docs/results.md)
+# found every relay answer at 8k the codes alone lost, at 0.014 bits per value (docs/retrieval.md)
 DRIFT_CHUNK = 1024
 # the fewest: a dynamic store's spare code slots (two blocks of 8) fit in the chunk past its
 # tokens, which attention over the codes relies on (``cache.stores.drift``)
@@ -60,7 +60,7 @@ MIN_DRIFT_CHUNK = 16
 # a vector plan's cache keeps the most recent 1/256 of its tokens in full precision: on
 # multikey prompts of a seed no evaluation uses, the last 1/256 read exact gave back 3 of the
 # 1.92-bit plan's 8 lost answers at 4k and lost none, at about 0.05 bits per value
-# (docs/results.md, bench/retrieval_positions.py)
+# (docs/retrieval.md, bench/retrieval_positions.py)
 RECENT_DIVISOR = 256
 
 
@@ -260,7 +260,7 @@ class PlanOptions:
         False, "vector codes: the 4- to 6-bit scalar tables keep levels past the range of the "
         "calibration latents, so keys that drift past it in a long, repetitive context are "
         "not clipped; with --calibration-window 1024 --calibration-tokens 32768 it keeps "
-        "retrieval at 8k tokens (docs/results.md), for more loss on short text",
+        "retrieval at 8k tokens (docs/retrieval.md), for more loss on short text",
         lambda x: None if isinstance(x, bool)
         else f"codebook_tails must be True or False, got {x!r}")
     drift_chunk: int = option(

@@ -22,7 +22,7 @@ Then the layers retrieval leans on (``search.retrieval_probe``: those whose code
 multikey answers most) weigh ``PlanOptions.retrieval_weight`` (16) times more, at the weights
 and share chosen, or its square root where that costs over ``RETRIEVAL_COST`` of held-out
 loss: coded like the rest they lose keys the full cache finds, at a cost the selection above
-would never pay (docs/results.md, "The planner finds them").
+would never pay (docs/retrieval.md, "The planner finds them").
 
 Last, the same plan is made again with the answers of retrieval prompts weighing beside the
 text (``search.answer_sensitivity``: what the answers' loss minds each channel's error) at
@@ -31,7 +31,7 @@ first whose plan costs at most ``RETRIEVAL_COST`` more held-out loss than the te
 alone with no layer favoured is the candidate (one cap for both retrieval levers: each under
 its own, they cost 0.03 nats together on the default model at 2.56 bits and decoded news
 with 61% more KL, retrieving no more). The text's loss spreads over every token and hardly
-sees the few keys a long context's answer is read from (docs/results.md, "The answers' own
+sees the few keys a long context's answer is read from (docs/retrieval.md, "The answers' own
 sensitivities").
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ from lorc_fx.search.split import held_out_loss
 
 KEY_SHARES = (0.3, 0.35, 0.4, 0.45)  # keys' share of the codes' bits, measured
 # what favouring the layers retrieval leans on may cost in held-out loss (nats): ×16 cost
-# 0.010 at 2.56 bits and 0.035 at 1.92, where the plan decoded news at ×1.108 (docs/results.md)
+# 0.010 at 2.56 bits and 0.035 at 1.92, where the plan decoded news at ×1.108 (docs/retrieval.md)
 RETRIEVAL_COST = 0.02
 # sliding-window layers, whose ring buffers vector codes do not store: plain codes at the
 # narrowest width and the widest group the plain scheme plans (4.5 bits per value where a

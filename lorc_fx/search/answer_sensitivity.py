@@ -5,7 +5,7 @@ The held-out loss weighs every token of ordinary text alike; a long context's qu
 answered from a few tokens far back, whose keys ordinary text hardly reads. Weighed by text
 alone, the default model's 1.92-bit vector plans answered 52% of what the full cache answers
 on held-out variable-tracking prompts at 8k tokens (five calibration draws); with these
-weights added as the vector scheme chooses them, 72% (docs/results.md, "The answers' weights
+weights added as the vector scheme chooses them, 72% (docs/retrieval.md, "The answers' weights
 in the planner").
 
 Measured on the uncompressed model, in the text sensitivities' unit (a weight of each

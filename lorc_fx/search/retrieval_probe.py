@@ -4,7 +4,7 @@ multikey prompts.
 A plan that spends its bits where the held-out loss says can still lose what a long context
 is read for: on the default model at 2.56 bits the vector plan finds 54 keys of 100 multikey
 prompts where the full cache finds 62, almost all of its misses another key's number
-(docs/results.md). The loss is not spread over the layers: coding one layer alone (every
+(docs/retrieval.md). The loss is not spread over the layers: coding one layer alone (every
 other layer's latents kept as floats) moves the answer's log-probability by 0.07-0.26 nats
 for four layers of 30 and by at most 0.04 for any other (bench/results/retrieval_layers-cpu.md),
 and neither the attention patterns (an induction score puts layer 17 in and 19 out) nor the

@@ -6,7 +6,7 @@ side's latents drift away from where the first tokens sit (a repetitive haystack
 8k tokens the default plans' codes then clip what keys carry: relay answers fell to 58% and
 61% of the full cache's at 2.56 and 1.92 bits. Coding each chunk of ``chunk`` cache positions
 about its drift (its mean latent less the first chunk's, measured at the prefill) found them
-all again (bench/results/retrieval_relay_offsets-cpu.md, docs/results.md).
+all again (bench/results/retrieval_relay_offsets-cpu.md, docs/retrieval.md).
 
 A side keeps ``means (b, rows, r)``: row ``k`` the mean latent of chunk ``k`` (positions
 ``k·chunk .. (k + 1)·chunk``, ``chunk`` the book's ``drift_chunk``, a plan option), measured
