@@ -266,8 +266,10 @@ def main() -> None:
                     "prompts, by index (their counts: lower bounds of all prompts'; no plot)")
     ap.add_argument("--out", default="bench/results/retrieval-cpu")
     args = ap.parse_args()
-    chosen = [int(i) for i in args.prompts.split(",") if i]
-    if any(not 0 <= i < args.trials for i in chosen) or len(set(chosen)) < len(chosen):
+    items = [i.strip() for i in args.prompts.split(",") if i.strip()]
+    chosen = [int(i) for i in items if i.isdigit()]
+    if (len(chosen) < len(items) or any(i >= args.trials for i in chosen)
+            or len(set(chosen)) < len(chosen)):
         ap.error(f"--prompts: distinct indices of the {args.trials} prompts (0-{args.trials - 1}), "
                  f"not {args.prompts}")
     indices = chosen or list(range(args.trials))
