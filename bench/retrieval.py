@@ -328,8 +328,8 @@ def main() -> None:
             lambda s, bits=bits: quanto_answers(model, tok, s, bits))
     write_table(result, Path(f"{out}.md"))
     drawn = not chosen and plot(result, Path(f"{out}.png"))
-    print(f"wrote {out}.json, {out}.md" + (f", {out}.png" if drawn else " (no plot: "
-          + ("--prompts chose the prompts)" if chosen else "matplotlib is not installed)")))
+    why = "--prompts chose the prompts" if chosen else "matplotlib is not installed"
+    print(f"wrote {out}.json, {out}.md" + (f", {out}.png" if drawn else f" (no plot: {why})"))
 
 
 if __name__ == "__main__":
