@@ -1,8 +1,9 @@
 """What the per-prompt retrieval diagnoses (``retrieval_layers.py``, ``retrieval_positions.py``)
-share: their prompt arguments, the model with the saved plan installed and the prompts, the shard of prompts a process runs (``--shard K/N``: one
-process a core, each its own ``--out``), and their output: ``OUT.json`` (settings, machine
-and every prompt's figures, the other shards' folded in with ``--merge``), then, once every
-prompt is in, ``OUT.md``."""
+share: their prompt arguments, the model with the saved plan installed and the prompts, the
+prompts a process runs (``--prompts I,J,...``: only those, by index, as ``retrieval.py``'s;
+``--shard K/N``: every N-th of them from the K-th, one process a core, each its own
+``--out``), and their output: ``OUT.json`` (settings, machine and every prompt's figures, the
+other shards' folded in with ``--merge``), then, once every prompt is in, ``OUT.md``."""
 from __future__ import annotations
 
 import argparse
@@ -16,16 +17,37 @@ import torch
 def add_prompt_args(ap: argparse.ArgumentParser, plan: str, task: str, length: str,
                     trials: int, seed: int, out: str) -> None:
     """``--plan`` (required; ``plan`` its help) and ``--task --length --trials --seed
-    --shard --merge --out``, with these defaults."""
+    --prompts --shard --merge --out``, with these defaults."""
     from lorc_fx.data.retrieval_tasks import TASKS
     ap.add_argument("--plan", required=True, help=plan)
     ap.add_argument("--task", default=task, choices=TASKS)
     ap.add_argument("--length", default=length)
     ap.add_argument("--trials", type=int, default=trials)
     ap.add_argument("--seed", type=int, default=seed)
-    ap.add_argument("--shard", default="0/1", help="K/N: the prompts whose index is K modulo N")
+    ap.add_argument("--prompts", default="", help="I,J,...: only these of the --trials "
+                    "prompts, by index")
+    ap.add_argument("--shard", default="0/1", help="K/N: every N-th of the prompts from the K-th")
     ap.add_argument("--merge", default="", help="other shards' OUT.json, comma-separated")
     ap.add_argument("--out", default=out)
+
+
+def chosen_prompts(ap: argparse.ArgumentParser, prompts: str, trials: int) -> list[int]:
+    """The indices ``--prompts`` names (``prompts``: ``I,J,...``; none where empty), refused
+    through ``ap`` by name unless they are distinct integers below ``trials``."""
+    items = [i.strip() for i in prompts.split(",") if i.strip()]
+    chosen = [int(i) for i in items if i.isdigit()]
+    if len(chosen) < len(items) or any(i >= trials for i in chosen) or len(set(chosen)) < len(chosen):
+        ap.error(f"--prompts: distinct indices of the {trials} prompts (0-{trials - 1}), "
+                 f"not {prompts}")
+    return chosen
+
+
+def parse_prompt_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """``ap``'s arguments, ``--prompts`` checked and read into ``args.chosen`` (a list of
+    indices; empty: every prompt)."""
+    args = ap.parse_args()
+    args.chosen = chosen_prompts(ap, args.prompts, args.trials)
+    return args
 
 
 def prompts_for(args: argparse.Namespace):
@@ -51,10 +73,23 @@ def planned_prompts(args: argparse.Namespace):
     return length, model, tok, plan, samples
 
 
+def wanted(args: argparse.Namespace, count: int) -> list[int]:
+    """The indices of the prompts the run reads, of ``count``: ``--prompts``'s, or all."""
+    return args.chosen or list(range(count))
+
+
 def mine(args: argparse.Namespace, count: int) -> list[int]:
-    """The indices of the ``count`` prompts this process's ``--shard`` runs."""
+    """The indices of the prompts, of ``count``, that this process's ``--shard`` runs."""
     k, n = map(int, args.shard.split("/"))
-    return list(range(k, count, n))
+    return wanted(args, count)[k::n]
+
+
+def described(args: argparse.Namespace) -> str:
+    """The prompts read, for a table's title: ``N prompts of seed S``, or the chosen ones."""
+    if args.chosen:
+        return (f"{len(args.chosen)} chosen prompts (`--prompts`) of {args.trials} of seed "
+                f"{args.seed}")
+    return f"{args.trials} prompts of seed {args.seed}"
 
 
 def machine() -> str:
@@ -65,19 +100,22 @@ def save(args: argparse.Namespace, length: int, bits_per_value: float | dict[str
          per_prompt: dict[str, dict], count: int) -> dict[str, dict] | None:
     """Write ``OUT.json`` (the settings: the arguments, ``length`` in tokens and the plan's
     bits per value, or each labelled plan's) with the other shards' prompts folded in; every
-    prompt's figures in prompt order where all ``count`` are in, else None (and says so)."""
+    read prompt's figures in prompt order where all are in (:func:`wanted` of ``count``),
+    else None (and says so)."""
     settings = {"plan": args.plan, "task": args.task, "length": length, "trials": args.trials,
-                "seed": args.seed, "bits_per_value": bits_per_value}
+                "seed": args.seed, "bits_per_value": bits_per_value,
+                **({"prompts": args.chosen} if args.chosen else {})}
     for other in filter(None, args.merge.split(",")):
         per_prompt.update(json.loads(Path(other).read_text())["prompts"])
     out = Path(f"{args.out}.json")  # not with_suffix: a stem may hold a dot (a plan's bits)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(
         {"settings": settings, "machine": machine(), "prompts": per_prompt}, indent=1))
-    if len(per_prompt) < count:
-        print(f"{len(per_prompt)} of {count} prompts: merge the other shards")
+    read = wanted(args, count)
+    if any(str(i) not in per_prompt for i in read):
+        print(f"{len(per_prompt)} of {len(read)} prompts: merge the other shards")
         return None
-    return {str(i): per_prompt[str(i)] for i in range(count)}
+    return {str(i): per_prompt[str(i)] for i in read}
 
 
 def write_table(args: argparse.Namespace, lines: list[str]) -> None:

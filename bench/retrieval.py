@@ -62,6 +62,7 @@ from lorc_fx.data.retrieval_tasks import (HELD_OUT, NEW_TOKENS, NOISE_HAYSTACK, 
                                           make_samples)
 from lorc_fx.eval.retrieval import (Accuracy, accuracy, answers,  # noqa: E402
                                     answers_sharing_prefill, parse_lengths, same_answer)
+from prompt_shards import chosen_prompts  # noqa: E402  (bench/'s own)
 
 QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
 
@@ -266,12 +267,7 @@ def main() -> None:
                     "prompts, by index (their counts: lower bounds of all prompts'; no plot)")
     ap.add_argument("--out", default="bench/results/retrieval-cpu")
     args = ap.parse_args()
-    items = [i.strip() for i in args.prompts.split(",") if i.strip()]
-    chosen = [int(i) for i in items if i.isdigit()]
-    if (len(chosen) < len(items) or any(i >= args.trials for i in chosen)
-            or len(set(chosen)) < len(chosen)):
-        ap.error(f"--prompts: distinct indices of the {args.trials} prompts (0-{args.trials - 1}), "
-                 f"not {args.prompts}")
+    chosen = chosen_prompts(ap, args.prompts, args.trials)
     indices = chosen or list(range(args.trials))
     lengths = parse_lengths(args.lengths)
     budgets = [float(b) for b in args.budgets.split(",") if b]

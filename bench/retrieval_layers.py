@@ -2,7 +2,8 @@
 several plans' codes cost it least.
 
     python bench/retrieval_layers.py --plan PLAN [--task multikey] [--length 1k]
-        [--trials 24] [--seed 7] [--shard K/N] [--merge A.json,...] [--out PREFIX]
+        [--trials 24] [--seed 7] [--prompts I,J,...] [--shard K/N] [--merge A.json,...]
+        [--out PREFIX]
     python bench/retrieval_layers.py --plan LABEL=PLAN,LABEL=PLAN,... [...]
 
 For each prompt, one forward writes the full cache and caches of variants of the saved plan
@@ -21,8 +22,10 @@ flips, so two dozen prompts tell layers apart.
 
 The default seed (7) is none of the evaluation's (``bench/retrieval.py`` reports seeds 0
 and 1): what this shows may guide a plan without tuning it on the prompts it is judged by.
-``--shard K/N`` runs every N-th prompt from the K-th (one process a core, each its own
-``--out``); ``--merge`` of the shards' JSON files writes the table.
+``--prompts I,J,...`` reads only those prompts, by index (e.g. the ones the full cache answers
+in a ``bench/retrieval.py`` run); ``--shard K/N`` runs every N-th prompt read from the K-th
+(one process a core, each its own ``--out``); ``--merge`` of the shards' JSON files writes
+the table.
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ from pathlib import Path
 import lorc_fx
 from lorc_fx.search.one_prefill import FULL, answer_logprobs
 from lorc_fx.search.retrieval_probe import one_layer_coded
-from prompt_shards import (add_prompt_args, machine, mine, planned_prompts,  # bench/'s own
-                           prompts_for, save, write_table)
+from prompt_shards import (add_prompt_args, described, machine, mine,  # bench/'s own
+                           parse_prompt_args, planned_prompts, prompts_for, save, write_table)
 
 
 def variants(plan):
@@ -70,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_prompt_args(ap, "a saved plan (report.save), or several as LABEL=PATH,...",
                     "multikey", "1k", 24, 7, "bench/results/retrieval_layers-cpu")
-    args = ap.parse_args()
+    args = parse_prompt_args(ap)
     several = labelled(args.plan)
     if several:  # the model as it came: each plan's cache is made from the plan itself
         length, model, tok, samples = prompts_for(args)
@@ -97,7 +100,7 @@ def main() -> None:
     merged = {name: [p[name] for p in every.values()] for name in names}
     write_table(args, [
         f"Answer log-probabilities through {what} (`bench/retrieval_layers.py`): {args.task}, "
-        f"{length} tokens, {args.trials} prompts of seed {args.seed}, {plans}; {machine()}.",
+        f"{length} tokens, {described(args)}, {plans}; {machine()}.",
         "", *table(merged)])
 
 

@@ -2,7 +2,8 @@
 the plan's cache, some positions read exact.
 
     python bench/retrieval_positions.py --plan PLAN [--task multikey] [--length 4k]
-        [--trials 50] [--seed 11] [--shard K/N] [--merge A.json,...] [--out PREFIX]
+        [--trials 50] [--seed 11] [--prompts I,J,...] [--shard K/N] [--merge A.json,...]
+        [--out PREFIX]
 
 For each prompt the full cache reads the answer's tokens after the prompt (teacher-forced, one
 token a step), then a vector-coded plan's cache does (`generate`'s dynamic cache, written by
@@ -21,8 +22,10 @@ the losses each mode gives back, and lists each loss's first failing token's mar
 Used to decide where a plan's retrieval losses sit before building a fix for them
 (docs/retrieval.md: vartrack's first digit at 8k, multikey at 4k). Seed 11 by default: no
 evaluation's (``bench/retrieval.py`` reports seeds 0-3) nor the planner probe's.
-``--shard K/N`` runs every N-th prompt from the K-th (one process a core, each its own
-``--out``); ``--merge`` of the shards' JSON files writes the table.
+``--prompts I,J,...`` reads only those prompts, by index (e.g. the ones the full cache answers
+in a ``bench/retrieval.py`` run); ``--shard K/N`` runs every N-th prompt read from the K-th
+(one process a core, each its own ``--out``); ``--merge`` of the shards' JSON files writes
+the table.
 """
 from __future__ import annotations
 
@@ -37,8 +40,8 @@ from lorc_fx.cache import LatentCache
 from lorc_fx.cache.stores.vector import VectorStore
 from lorc_fx.data.retrieval_tasks import Sample
 from lorc_fx.plan.plan_file import load_plan
-from prompt_shards import (add_prompt_args, machine, mine, planned_prompts, save,  # bench/'s own
-                           write_table)
+from prompt_shards import (add_prompt_args, described, machine, mine,  # bench/'s own
+                           parse_prompt_args, planned_prompts, save, write_table)
 
 RECENT = 32  # the "last 32" mode's positions
 SHARE = 256  # the "recent 1/256" mode's: that share of the prompt's last positions
@@ -160,7 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_prompt_args(ap, "a saved vector-coded plan (report.save)", "multikey", "4k", 50, 11,
                     "bench/results/retrieval_positions-cpu")
-    args = ap.parse_args()
+    args = parse_prompt_args(ap)
     plan = load_plan(args.plan)  # checked before the model loads
     if plan.scheme.name != "vector":
         raise SystemExit(f"--plan: {args.plan} is a {plan.scheme.name} plan; this reads "
@@ -174,7 +177,7 @@ def main() -> None:
     if every is not None:
         write_table(args, [
             f"Where a plan's retrieval losses sit (`bench/retrieval_positions.py`): {args.task}, "
-            f"{length} tokens, {args.trials} prompts of seed {args.seed}, answers "
+            f"{length} tokens, {described(args)}, answers "
             f"teacher-forced, plan {Path(args.plan).name} ({plan.bits_per_value:.3f} bits per "
             f"value); {machine()}.", "", *table(every)])
 
