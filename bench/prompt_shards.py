@@ -36,7 +36,8 @@ def chosen_prompts(ap: argparse.ArgumentParser, prompts: str, trials: int) -> li
     through ``ap`` by name unless they are distinct integers below ``trials``."""
     items = [i.strip() for i in prompts.split(",") if i.strip()]
     chosen = [int(i) for i in items if i.isdigit()]
-    if len(chosen) < len(items) or any(i >= trials for i in chosen) or len(set(chosen)) < len(chosen):
+    if (len(chosen) < len(items) or any(i >= trials for i in chosen)
+            or len(set(chosen)) < len(chosen)):
         ap.error(f"--prompts: distinct indices of the {trials} prompts (0-{trials - 1}), "
                  f"not {prompts}")
     return chosen
