@@ -31,23 +31,17 @@ def add_prompt_args(ap: argparse.ArgumentParser, plan: str, task: str, length: s
     ap.add_argument("--out", default=out)
 
 
-def chosen_prompts(ap: argparse.ArgumentParser, prompts: str, trials: int) -> list[int]:
-    """The indices ``--prompts`` names (``prompts``: ``I,J,...``; none where empty), refused
-    through ``ap`` by name unless they are distinct integers below ``trials``."""
-    items = [i.strip() for i in prompts.split(",") if i.strip()]
-    chosen = [int(i) for i in items if i.isdigit()]
-    if (len(chosen) < len(items) or any(i >= trials for i in chosen)
-            or len(set(chosen)) < len(chosen)):
-        ap.error(f"--prompts: distinct indices of the {trials} prompts (0-{trials - 1}), "
-                 f"not {prompts}")
-    return chosen
-
-
 def parse_prompt_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
-    """``ap``'s arguments, ``--prompts`` checked and read into ``args.chosen`` (a list of
-    indices; empty: every prompt)."""
+    """``ap``'s arguments (``--prompts`` and ``--trials`` among them), ``--prompts I,J,...``
+    read into ``args.chosen`` (a list of indices; empty: every prompt) and refused through
+    ``ap`` by name unless they are distinct integers below ``--trials``."""
     args = ap.parse_args()
-    args.chosen = chosen_prompts(ap, args.prompts, args.trials)
+    items = [i.strip() for i in args.prompts.split(",") if i.strip()]
+    args.chosen = [int(i) for i in items if i.isdigit()]
+    if (len(args.chosen) < len(items) or any(i >= args.trials for i in args.chosen)
+            or len(set(args.chosen)) < len(args.chosen)):
+        ap.error(f"--prompts: distinct indices of the {args.trials} prompts "
+                 f"(0-{args.trials - 1}), not {args.prompts}")
     return args
 
 

@@ -62,7 +62,7 @@ from lorc_fx.data.retrieval_tasks import (HELD_OUT, NEW_TOKENS, NOISE_HAYSTACK, 
                                           make_samples)
 from lorc_fx.eval.retrieval import (Accuracy, accuracy, answers,  # noqa: E402
                                     answers_sharing_prefill, parse_lengths, same_answer)
-from prompt_shards import chosen_prompts  # noqa: E402  (bench/'s own)
+from prompt_shards import parse_prompt_args, wanted  # noqa: E402  (bench/'s own)
 
 QUANTO_GROUP = 64  # QuantizedCache's default q_group_size
 
@@ -266,9 +266,8 @@ def main() -> None:
     ap.add_argument("--prompts", default="", help="I,J,...: only these of the --trials "
                     "prompts, by index (their counts: lower bounds of all prompts'; no plot)")
     ap.add_argument("--out", default="bench/results/retrieval-cpu")
-    args = ap.parse_args()
-    chosen = chosen_prompts(ap, args.prompts, args.trials)
-    indices = chosen or list(range(args.trials))
+    args = parse_prompt_args(ap)
+    chosen, indices = args.chosen, wanted(args, args.trials)
     lengths = parse_lengths(args.lengths)
     budgets = [float(b) for b in args.budgets.split(",") if b]
     quanto = [int(b) for b in args.quanto.split(",") if b]
