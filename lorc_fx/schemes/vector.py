@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -332,14 +332,11 @@ def weigh_answers(options: PlanOptions, plan: Plan, loss: float, unfavoured: flo
     more than either may; ``plan`` (its ``answer_weight`` 0), said, where all cost more. Not
     chosen by the loss: it would never pay what retrieval needs."""
     tried = [options.answer_weight / 2 ** i for i in range(3)]
-    for weight in tried:
-        weighed, weighed_loss = weighing(weight)
-        cost = weighed_loss - unfavoured
-        log.info("vector codes: channels also weighed by the retrieval answers' sensitivities "
-                 "at ×%g the text's: held-out loss %.4f (%+.4f over the text's weights, no "
-                 "layer favoured)", weight, weighed_loss, cost)
-        if cost <= RETRIEVAL_COST:
-            return weighed, weighed_loss
+    chosen = first_within_cost(tried, weighing, unfavoured, "channels also weighed by the "
+                               "retrieval answers' sensitivities at ×{weight:g} the text's",
+                               "over the text's weights, no layer favoured")
+    if chosen is not None:
+        return chosen
     log.warning("lorc_fx: vector codes weigh no channel by retrieval answers: at ×%s the "
                 "text's weights they cost more than %g nats of held-out loss",
                 " / ×".join(f"{w:g}" for w in tried), RETRIEVAL_COST)
@@ -357,18 +354,33 @@ def favour_retrieval(model: nn.Module, tokenizer, blocks: list[AttentionBlock],
     both cost more. Not chosen by the loss: it would never pay what retrieval needs."""
     favoured = retrieval_favoured(model, tokenizer, blocks, options, plan)
     if favoured:
+        layers = ", ".join(map(str, favoured))
         tried = (options.retrieval_weight, options.retrieval_weight ** 0.5)
-        for weight in tried:
-            favouring_plan, favouring_loss = favouring(weight, favoured)
-            cost = favouring_loss - loss
-            log.info("vector codes: layers %s weighed ×%g for retrieval: held-out loss %.4f "
-                     "(%+.4f)", ", ".join(map(str, favoured)), weight, favouring_loss, cost)
-            if cost <= RETRIEVAL_COST:
-                return favouring_plan, favouring_loss
+        chosen = first_within_cost(tried, lambda weight: favouring(weight, favoured), loss,
+                                   f"layers {layers} weighed ×{{weight:g}} for retrieval")
+        if chosen is not None:
+            return chosen
         log.warning("lorc_fx: vector codes favour no layer for retrieval: weighing layers %s "
-                    "×%g or ×%g costs more than %g nats of held-out loss",
-                    ", ".join(map(str, favoured)), *tried, RETRIEVAL_COST)
+                    "×%g or ×%g costs more than %g nats of held-out loss", layers, *tried,
+                    RETRIEVAL_COST)
     return replace(plan, options=replace(plan.options, retrieval_weight=1.0)), loss
+
+
+def first_within_cost(weights: Sequence[float], planned: Callable[[float], tuple[Plan, float]],
+                      baseline: float, what: str, over: str = ""
+                      ) -> tuple[Plan, float] | None:
+    """The plan and held-out loss ``planned(weight)`` of the first of ``weights`` that costs
+    at most ``RETRIEVAL_COST`` nats over ``baseline``, each logged (``what``: what a weight
+    weighs, formatted with it; ``over``: what the baseline is); ``None`` where all cost more.
+    The two retrieval levers' rule (:func:`favour_retrieval`, :func:`weigh_answers`)."""
+    for weight in weights:
+        plan, loss = planned(weight)
+        cost = loss - baseline
+        log.info("vector codes: %s: held-out loss %.4f (%+.4f%s)", what.format(weight=weight),
+                 loss, cost, f" {over}" if over else "")
+        if cost <= RETRIEVAL_COST:
+            return plan, loss
+    return None
 
 
 def retrieval_favoured(model: nn.Module, tokenizer, blocks: list[AttentionBlock],
