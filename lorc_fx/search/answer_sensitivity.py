@@ -19,6 +19,8 @@ times the channel's power ``E[z_c²]`` on the first ``POWER_WINDOWS`` calibratio
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -49,6 +51,14 @@ def coded_positions(n: int, recent_divisor: int) -> slice:
     its recent window (``n // recent_divisor``, none where 0) and last partial block."""
     recent = n // recent_divisor if recent_divisor else 0
     return slice(1, n - recent - BLOCK)
+
+
+def last_logits(model: nn.Module, count: int) -> dict[str, int]:
+    """The keyword that has ``model`` compute its last ``count`` positions' logits alone
+    (transformers' ``logits_to_keep``), none where its forward takes no such argument: the
+    whole prompt's logits and their gradient took 1.1 GB more on the default model."""
+    takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {"logits_to_keep": count} if takes else {}
 
 
 def _bases(full: Plan, sides: list[Side], what: str) -> dict[Side, torch.Tensor]:
@@ -85,14 +95,15 @@ def answer_fisher(model: nn.Module, tokenizer, blocks: list[AttentionBlock], ful
     device = next(model.parameters()).device
     fisher: dict[Side, torch.Tensor | float] = {s: 0.0 for s in sides}
     samples = make_samples(tokenizer, TASK, length, PROMPTS, SEED)
-    with ProjectionRecorder(model, blocks, sides, keep_rows=False) as recorder:
+    with ProjectionRecorder(model, blocks, sides, keep_rows=False,
+                            recompute_layers=True) as recorder:
         for sample in tqdm(samples, desc="lorc: measuring the retrieval answers' sensitivity "
                            "to each latent channel", unit="prompt", mininterval=1.0):
             ids, answer = sample.input_ids, sample.answer_ids(tokenizer)
-            n = len(ids)
+            n, scored = len(ids), len(answer) + 1  # the answer's logits, and the last one's
             with torch.enable_grad():
-                logits = model(torch.tensor([ids + answer], device=device),
-                               use_cache=False).logits[0, n - 1:-1].float()
+                logits = model(torch.tensor([ids + answer], device=device), use_cache=False,
+                               **last_logits(model, scored)).logits[0, -scored:-1].float()
                 torch.nn.functional.cross_entropy(logits, torch.tensor(answer, device=device),
                                                   reduction="sum").backward()
             coded = coded_positions(n, recent_divisor)

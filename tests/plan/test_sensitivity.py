@@ -153,3 +153,35 @@ def test_a_first_calibration_measures_the_sensitivities_in_its_own_pass(model, t
     for side in sides:  # the calibration's attention and SDPA round float32 apart
         torch.testing.assert_close(got_weights[side], weights[side], rtol=1e-5, atol=0)
         torch.testing.assert_close(got_latents[side], latents[side])
+
+
+def test_recomputed_layers_give_the_same_gradients_and_are_restored(model, windows):
+    """``recompute_layers``: each decoder layer runs again in the backward (its projections
+    twice a batch), the recompute adds the forward's own leaf, and the gradients are the
+    ones a kept graph gives; on leaving, the layers run as their class says."""
+    from lorc_fx.plan.sensitivity import ProjectionRecorder
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = analyze(model)
+    sides = [(b.layer, s) for b in blocks for s in ("k", "v")]
+    k_proj = model.get_submodule(owner_module(blocks[0].k.weight))
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers
+    moments, calls = {}, []
+    handle = k_proj.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for recompute in (False, True):
+            with ProjectionRecorder(model, blocks, sides, recompute_layers=recompute) as rec:
+                assert all(("forward" in l.__dict__) == recompute for l in layers)
+                calls.clear()
+                with torch.enable_grad():
+                    rec.backward(windows[:2], model(windows[:2], use_cache=False).logits)
+                assert len(calls) == (2 if recompute else 1)
+            moments[recompute] = rec.moments()
+    finally:
+        handle.remove()
+    assert not any("forward" in l.__dict__ for l in layers)
+    for side in sides:
+        torch.testing.assert_close(moments[True].gradients[side], moments[False].gradients[side])
+        assert float(moments[True].gradients[side].abs().sum()) > 0
+        torch.testing.assert_close(moments[True].grams[side], moments[False].grams[side])
