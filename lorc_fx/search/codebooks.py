@@ -14,6 +14,7 @@ half-bit widths gave the least loss at 2.56 and 1.92 bits per value.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -97,10 +98,21 @@ def fit_books(samples: dict[Side, torch.Tensor], widths: tuple[float, ...] = WID
                 tqdm(total=len(jobs), desc="lorc: fitting vector codebooks", unit="book") as bar:
             for (side, width), (book, error) in zip(jobs, pool.map(lambda job: fit(*job), jobs)):
                 books[side][width], errors[side][width] = book, error
+                _return_freed_memory()
                 bar.update()
     finally:
         torch.set_num_threads(threads)
     return books, errors
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; nothing where
+    the C library has none), as each book is fitted: the Lloyd steps' temporaries, freed,
+    stayed resident between the books that outlive them, 4 GB over the default model's 540
+    books, which hold 1.5 MiB a side (2026-12-08)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _bases(full: Plan) -> dict[str, torch.Tensor]:
