@@ -110,9 +110,11 @@ def _return_freed_memory() -> None:
     the C library has none), as each book is fitted: the Lloyd steps' temporaries, freed,
     stayed resident between the books that outlive them, 4 GB over the default model's 540
     books, which hold 1.5 MiB a side (2026-12-08)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # not glibc, or no C library to open
+        return
+    trim(0)
 
 
 def _bases(full: Plan) -> dict[str, torch.Tensor]:
