@@ -4,11 +4,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lorc_fx.analysis import analyze
 from lorc_fx.api import compress
 from lorc_fx.plan.calibration import owner_module
-from lorc_fx.plan.sensitivity import sensitivities_and_latents
+from lorc_fx.plan.sensitivity import ProjectionRecorder, sensitivities_and_latents
 from lorc_fx.search.codebooks import calibration_latents, coded_sides
 from helpers.families import VOCAB, build, config_for
 
@@ -159,9 +160,6 @@ def test_recomputed_layers_give_the_same_gradients_and_are_restored(model, windo
     """``recompute_layers``: each decoder layer runs again in the backward (its projections
     twice a batch), the recompute adds the forward's own leaf, and the gradients are the
     ones a kept graph gives; on leaving, the layers run as their class says."""
-    from lorc_fx.plan.sensitivity import ProjectionRecorder
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     blocks = analyze(model)
     sides = [(b.layer, s) for b in blocks for s in ("k", "v")]
     k_proj = model.get_submodule(owner_module(blocks[0].k.weight))
